@@ -1,0 +1,62 @@
+// Transformer model math: parameter counts, FLOPs, and per-op cost of one layer.
+// Formulas: Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473) eq. 2 and 3; Korthikanti et al.
+// 2022 (arXiv:2205.05198) for activations (see memory.hpp).
+#pragma once
+#include <string>
+#include <vector>
+#include "core/scenario.hpp"
+
+namespace dssim {
+
+// Megatron eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)); MoE layers add (experts-1) MLPs
+// plus the gate.
+double parameter_count(const ModelSpec& m);
+double dense_layer_params(const ModelSpec& m);        // 12h^2 + 13h (attention + MLP + 2 norms)
+double expert_mlp_params(const ModelSpec& m);         // one expert's MLP: 2 h ffn + ffn + h
+double embedding_params(const ModelSpec& m);          // (V + s) h
+
+// FLOPs of one iteration of `global_batch` sequences (all GPUs together).
+// Model FLOPs: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (fwd + bwd = 3 x forward).
+double model_flops_per_iteration(const ModelSpec& m, double global_batch);
+// Hardware FLOPs: what the GPUs execute, recompute included (full recompute: one more forward,
+// Megatron's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); selective: the attention core again).
+double hardware_flops_per_iteration(const ModelSpec& m, double global_batch, Recompute r);
+
+// One kernel-level op of a layer's forward pass on one GPU.
+struct LayerOp {
+  std::string name;     // "qkv", "attention_scores", "softmax", "attention_over_v", "attention_proj",
+                        // "mlp_up", "gelu", "mlp_down", "layernorm_1", "layernorm_2", "dropout", "residual", ...
+  double flops = 0;
+  double memory_bytes = 0;  // HBM bytes read + written
+  bool gemm = false;        // runs on tensor cores as a GEMM
+  bool attention_core = false;  // part of softmax(QK^T)V: what selective recompute recomputes
+  // GEMM shape (per GPU, after the TP split) when gemm: C[m x n] = A[m x k] B[k x n]
+  double m = 0, n = 0, k = 0;
+};
+
+struct LayerShape {
+  int micro_batch = 1;
+  int tp = 1;
+  bool sequence_parallel = false;
+  Dtype dtype = Dtype::bf16;
+  bool moe = false;        // this layer's MLP is a MoE (tokens routed to top_k experts)
+  int ep = 1;
+};
+
+// Forward ops of one transformer layer on one GPU (the layer's TP shard). Backward costs twice the
+// GEMM FLOPs of forward and is derived by the callers (backward_flops()).
+std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& shape);
+// Forward ops of the embedding (first stage) and of the LM head + loss (last stage).
+std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape);
+std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shape);
+
+struct OpsCost {
+  double flops = 0, gemm_flops = 0, memory_bytes = 0;
+  int kernels = 0;
+  OpsCost& operator+=(const OpsCost& o);
+};
+OpsCost sum_cost(const std::vector<LayerOp>& ops);
+OpsCost backward_cost(const std::vector<LayerOp>& forward_ops);     // 2x GEMM FLOPs, ~2x bytes
+OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r);  // selective: attention core only
+
+}  // namespace dssim

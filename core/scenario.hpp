@@ -1,0 +1,137 @@
+// The Scenario: everything dssim needs to know about one training job, fully resolved.
+// Units are SI everywhere: bytes, seconds, FLOP/s, bytes/s. Presets (GPUs, clusters, models) are
+// YAML files under scenarios/; by the time a Scenario exists they have been merged in.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dssim {
+
+struct ModelSpec {
+  std::string name;          // preset name or "custom"
+  int layers = 0;
+  int hidden = 0;            // h
+  int heads = 0;             // a
+  int ffn_hidden = 0;        // MLP inner size, default 4h
+  int vocab = 0;             // V (padded as the scenario says)
+  int seq_len = 0;           // s
+  // Mixture of experts (0 experts = dense).
+  int experts = 0;           // experts per MoE layer
+  int top_k = 1;
+  int moe_every = 1;         // every k-th layer is a MoE layer (1 = all, 2 = alternate, as in DeepSpeed-MoE)
+  double capacity_factor = 1.0;
+  bool tied_embeddings = true;
+  bool is_moe() const { return experts > 0; }
+  int moe_layers() const { return is_moe() ? layers / moe_every : 0; }
+};
+
+struct TrainingSpec {
+  int64_t global_batch = 0;  // sequences per iteration (DeepSpeed train_batch_size)
+  int micro_batch = 0;       // sequences per GPU per micro-step (train_micro_batch_size_per_gpu)
+  int grad_accum = 0;        // micro-steps per iteration (gradient_accumulation_steps)
+  double tokens_to_train = 0;  // 0 = not given
+  double gradient_clipping = 0;  // 0 = off
+  uint64_t seed = 1234;
+};
+
+struct ParallelSpec {
+  int tp = 1, pp = 1, dp = 1, ep = 1;
+  bool sequence_parallel = false;
+  int interleave = 1;              // virtual pipeline stages (model chunks) per rank; 1 = plain 1F1B
+  std::vector<int> partition;      // layers per pipeline stage; empty = uniform
+  int world() const { return tp * pp * dp; }
+};
+
+struct ZeroSpec {
+  int stage = 0;                   // 0..3
+  bool offload_optimizer = false;  // optimizer states + step on the host (ZeRO-Offload)
+  bool offload_param = false;      // stage 3 only: parameters live on the host
+  bool overlap_comm = true;
+  int64_t reduce_bucket_size = 500000000;     // elements (DeepSpeed's unit)
+  int64_t allgather_bucket_size = 500000000;  // elements
+  int64_t prefetch_bucket_size = 50000000;    // elements (stage3_prefetch_bucket_size)
+  int64_t param_persistence_threshold = 100000;  // elements (stage3_param_persistence_threshold)
+  int64_t max_live_parameters = 1000000000;   // elements (stage3_max_live_parameters)
+};
+
+enum class Dtype { fp32, fp16, bf16 };
+const char* to_string(Dtype);
+inline int bytes_of(Dtype d) { return d == Dtype::fp32 ? 4 : 2; }
+
+struct LossScaleSpec {               // DeepSpeed fp16 block
+  double loss_scale = 0;             // 0 = dynamic
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  double min_loss_scale = 1;
+};
+
+struct PrecisionSpec {
+  Dtype dtype = Dtype::bf16;         // compute / 16-bit parameter dtype; fp32 = no mixed precision
+  LossScaleSpec loss_scale;          // used when dtype == fp16
+};
+
+enum class OptimizerKind { adamw, onebit_adam };
+struct OptimizerSpec {
+  OptimizerKind kind = OptimizerKind::adamw;
+  double lr = 1e-4;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  int64_t freeze_step = 0;           // 1-bit Adam: warm-up steps with full-precision Adam
+  int64_t step = 0;                  // which training step to report (1-bit Adam compresses after freeze_step)
+};
+
+enum class Recompute { none, selective, full };
+const char* to_string(Recompute);
+
+struct GpuSpec {
+  std::string name;
+  double memory_bytes = 0;           // HBM capacity
+  double hbm_bandwidth = 0;          // bytes/s
+  double peak_flops_16 = 0;          // dense fp16/bf16 tensor-core FLOP/s
+  double peak_flops_32 = 0;          // fp32 FLOP/s used when precision is fp32 (TF32 off)
+  double nvlink_bandwidth = 0;       // bytes/s per GPU per direction
+  double nvlink_latency = 0;         // seconds
+  double pcie_bandwidth = 0;         // bytes/s per direction, host <-> device
+  double pcie_latency = 0;
+  // Device-model efficiencies (fraction of peak reached), documented with sources in the YAML.
+  double gemm_efficiency = 0.8;      // large-GEMM plateau
+  double gemm_half_flops = 5e9;      // GEMM FLOPs at which efficiency is half its plateau
+  double attention_efficiency = 0.6; // fused attention plateau
+  double memory_efficiency = 0.85;   // fraction of HBM bandwidth memory-bound kernels reach
+  double kernel_launch = 4e-6;       // seconds per kernel
+};
+
+struct ClusterSpec {
+  std::string name;
+  GpuSpec gpu;
+  int nodes = 1;
+  int gpus_per_node = 8;
+  std::string intra_node = "nvswitch";  // nvswitch | nvlink | pcie
+  int nics_per_node = 8;
+  double nic_bandwidth = 25e9;       // bytes/s per NIC per direction (200 Gb/s HDR = 25e9)
+  double nic_latency = 2e-6;         // seconds, NIC to NIC through one switch
+  std::string topology = "fat_tree";
+  int fat_tree_levels = 2;
+  double oversubscription = 1.0;     // 1 = non-blocking
+  double switch_latency = 0.5e-6;    // per switch hop
+  double host_memory_bytes = 1024e9; // per node
+  double host_memory_bandwidth = 100e9;  // bytes/s per node (CPU optimizer step is bound by it)
+  int world() const { return nodes * gpus_per_node; }
+};
+
+struct Scenario {
+  std::string name;
+  std::string source;                // file it came from
+  ModelSpec model;
+  TrainingSpec training;
+  ParallelSpec parallel;
+  ZeroSpec zero;
+  PrecisionSpec precision;
+  OptimizerSpec optimizer;
+  Recompute recompute = Recompute::none;
+  ClusterSpec cluster;
+  std::vector<std::string> warnings; // e.g. ds_config keys dssim does not use
+};
+
+}  // namespace dssim
