@@ -1,0 +1,32 @@
+// How long a compute instruction takes on a GPU: per kernel, a roofline with efficiency curves
+// taken from the GPU preset (or a measured calibration profile), plus kernel-launch overhead.
+//   t(kernel) = max(flops / (peak * eff(kernel)), bytes / (hbm_bandwidth * memory_efficiency)) + launch
+// Shared by the analytic estimator and the simulator so both agree when nothing contends.
+#pragma once
+#include "core/program.hpp"
+#include "core/scenario.hpp"
+
+namespace dssim {
+
+class DeviceModel {
+ public:
+  DeviceModel(const ClusterSpec& cluster, Dtype dtype);
+
+  double kernel_seconds(const LayerOp& op) const;
+  // Compute instruction on the GPU (Forward/Backward/Recompute/OptimizerStep), one repetition.
+  double compute_seconds(const Program& program, const Instruction& inst) const;
+  // Host optimizer step: bound by host memory bandwidth shared by the node's GPUs.
+  double host_seconds(const Instruction& inst) const;
+  // PCIe copy (CopyH2D / CopyD2H).
+  double copy_seconds(const Instruction& inst) const;
+
+  double peak_flops() const { return peak_; }
+  const ClusterSpec& cluster() const { return cluster_; }
+
+ private:
+  double gemm_efficiency(double flops) const;
+  ClusterSpec cluster_;
+  double peak_;
+};
+
+}  // namespace dssim

@@ -1,0 +1,21 @@
+// Analytic estimator: closed form per instruction (DeviceModel, collective_model), and the
+// critical path through the Program's dependencies (stream order, cross-stream waits, collective
+// rendezvous, send/recv matching). No contention: every collective runs as if alone.
+#pragma once
+#include "core/program.hpp"
+#include "core/scenario.hpp"
+#include "core/timeline.hpp"
+
+namespace dssim {
+
+// Durations of every instruction of every materialized rank (one repetition times `repeat`).
+std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program);
+
+// Earliest-start schedule of the Program given per-instruction durations. Members of a group that
+// are not materialized (representative_only) are assumed to reach a collective at the same time
+// as the materialized member.
+Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds);
+
+Timeline estimate(const Scenario& sc, const Program& program);
+
+}  // namespace dssim
