@@ -1,0 +1,10 @@
+// The dssim program's verbs. Each parses its own options (boost::program_options) and returns the
+// process exit code: 0 success, 1 runtime failure, 2 bad input (config / usage).
+#pragma once
+
+namespace dssim::cli {
+
+int verb_scenario(int argc, char** argv);  // cli/verb_scenario.cpp
+int verb_run(int argc, char** argv);       // cli/verb_run.cpp (torch backend)
+
+}  // namespace dssim::cli
