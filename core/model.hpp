@@ -14,6 +14,11 @@ double parameter_count(const ModelSpec& m);
 double dense_layer_params(const ModelSpec& m);        // 12h^2 + 13h (attention + MLP + 2 norms)
 double expert_mlp_params(const ModelSpec& m);         // one expert's MLP: 2 h ffn + ffn + h
 double embedding_params(const ModelSpec& m);          // (V + s) h
+int ffn_hidden_of(const ModelSpec& m);                // ffn_hidden, or 4h when 0
+bool is_moe_layer(const ModelSpec& m, int layer);     // 0-based; every moe_every-th layer (last of each group)
+// Per-sequence forward FLOPs (2 per multiply-add) of one layer / of the LM head.
+double layer_forward_flops_per_sequence(const ModelSpec& m, bool moe_layer);
+double head_forward_flops_per_sequence(const ModelSpec& m);
 
 // FLOPs of one iteration of `global_batch` sequences (all GPUs together).
 // Model FLOPs: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (fwd + bwd = 3 x forward).
@@ -30,8 +35,11 @@ struct LayerOp {
   double memory_bytes = 0;  // HBM bytes read + written
   bool gemm = false;        // runs on tensor cores as a GEMM
   bool attention_core = false;  // part of softmax(QK^T)V: what selective recompute recomputes
-  // GEMM shape (per GPU, after the TP split) when gemm: C[m x n] = A[m x k] B[k x n]
+  // GEMM shape (per GPU, after the TP split) when gemm: C[m x n] = A[m x k] B[k x n], repeated
+  // `batch` times (batched GEMMs: attention per sequence x local head, MoE per local expert).
+  // flops == 2 * batch * m * n * k for every GEMM op.
   double m = 0, n = 0, k = 0;
+  double batch = 1;
 };
 
 struct LayerShape {

@@ -1,0 +1,281 @@
+// Transformer model math. Sources:
+//  [M]  Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+//       Megatron-LM", arXiv:2104.04473: eq. 2 (parameters), eq. 3 (FLOPs with full recompute),
+//       appendix (FLOPs per layer: 24 B s h^2 + 4 B s^2 h forward).
+//  [K]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+//       arXiv:2205.05198: op list of a layer, selective recompute = the attention core.
+//  [DS] DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596) and deepspeed/moe/sharded_moe.py:
+//       top-k gating, capacity = capacity_factor * tokens * k / experts, tokens dropped across TP.
+#include "core/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dssim {
+
+int ffn_hidden_of(const ModelSpec& m) { return m.ffn_hidden > 0 ? m.ffn_hidden : 4 * m.hidden; }
+
+bool is_moe_layer(const ModelSpec& m, int layer) {
+  if (!m.is_moe()) return false;
+  const int every = std::max(1, m.moe_every);
+  return layer % every == every - 1;  // moe_every = 2: layers 1, 3, 5, ... (count = layers / 2)
+}
+
+// Generalised Megatron eq. 2 per layer: attention QKV (3h^2 + 3h) + projection (h^2 + h) = 4h^2 + 4h;
+// MLP up (h ffn + ffn) + down (ffn h + h) = 2 h ffn + ffn + h; two LayerNorms (gain + bias) = 4h.
+// ffn = 4h gives 12h^2 + 13h.
+double dense_layer_params(const ModelSpec& m) {
+  const double h = m.hidden;
+  return 4 * h * h + 4 * h + expert_mlp_params(m) + 4 * h;
+}
+
+double expert_mlp_params(const ModelSpec& m) {
+  const double h = m.hidden, f = ffn_hidden_of(m);
+  return 2 * h * f + f + h;
+}
+
+// Word embedding V x h plus learned positions s x h [M eq. 2 term (V+s)/(12lh)].
+double embedding_params(const ModelSpec& m) {
+  return (static_cast<double>(m.vocab) + m.seq_len) * m.hidden;
+}
+
+// [M] eq. 2 = 12 l h^2 + 13 l h + (V + s) h; plus the final LayerNorm (2h, which eq. 2 omits),
+// an untied output layer (V h) when embeddings are not tied, and for each MoE layer the extra
+// experts' MLPs and the gate (h x experts, no bias) [DS].
+double parameter_count(const ModelSpec& m) {
+  const double h = m.hidden;
+  double p = m.layers * dense_layer_params(m) + embedding_params(m) + 2 * h;
+  if (!m.tied_embeddings) p += static_cast<double>(m.vocab) * h;
+  if (m.is_moe())
+    p += m.moe_layers() * ((m.experts - 1) * expert_mlp_params(m) + h * m.experts);
+  return p;
+}
+
+namespace {
+
+// Forward GEMM FLOPs of one layer for one sequence; `expert_token_factor` multiplies the MLP work of
+// a MoE layer (top_k for model FLOPs, top_k * capacity_factor for what the GPUs execute).
+double layer_flops(const ModelSpec& m, bool moe_layer, double expert_token_factor) {
+  const double s = m.seq_len, h = m.hidden, f = ffn_hidden_of(m);
+  const double attention_linear = 2 * s * (3 * h * h + h * h);  // QKV + projection
+  const double attention_core = 2 * 2 * s * s * h;              // QK^T and attention over V
+  double mlp = 2 * s * 2 * h * f;
+  if (moe_layer) mlp = expert_token_factor * mlp + 2 * s * h * m.experts;  // experts + gate
+  return attention_linear + attention_core + mlp;
+}
+
+double attention_core_flops_per_sequence(const ModelSpec& m) {
+  const double s = m.seq_len, h = m.hidden;
+  return 4 * s * s * h;
+}
+
+double layers_forward_flops(const ModelSpec& m, bool hardware) {
+  double total = 0;
+  for (int i = 0; i < m.layers; ++i) {
+    const bool moe = is_moe_layer(m, i);
+    total += layer_flops(m, moe, hardware ? m.top_k * m.capacity_factor : m.top_k);
+  }
+  return total;
+}
+
+}  // namespace
+
+double layer_forward_flops_per_sequence(const ModelSpec& m, bool moe_layer) {
+  return layer_flops(m, moe_layer, m.top_k);
+}
+
+// Logits GEMM 2 s h V per sequence [M appendix].
+double head_forward_flops_per_sequence(const ModelSpec& m) {
+  return 2.0 * m.seq_len * m.hidden * m.vocab;
+}
+
+// Forward + backward = 3 x forward [M]: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) for dense, ffn = 4h.
+double model_flops_per_iteration(const ModelSpec& m, double global_batch) {
+  return 3 * global_batch * (layers_forward_flops(m, false) + head_forward_flops_per_sequence(m));
+}
+
+// Full recompute re-runs every layer's forward once (not the head): 4 x layers + 3 x head, which is
+// [M] eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Selective recompute re-runs the attention core
+// [K section 5]. MoE layers execute capacity-padded expert batches (top_k * capacity_factor) [DS].
+double hardware_flops_per_iteration(const ModelSpec& m, double global_batch, Recompute r) {
+  const double layers = layers_forward_flops(m, true);
+  const double head = head_forward_flops_per_sequence(m);
+  double per_sequence = 3 * (layers + head);
+  if (r == Recompute::full) per_sequence += layers;
+  if (r == Recompute::selective) per_sequence += m.layers * attention_core_flops_per_sequence(m);
+  return global_batch * per_sequence;
+}
+
+namespace {
+
+// Approximate FLOPs per element of the memory-bound kernels (they never bound the time; the bytes do).
+constexpr double kLayerNormFlopsPerElement = 8;  // mean, variance, normalise, gain, bias
+constexpr double kSoftmaxFlopsPerElement = 5;    // max, subtract, exp, sum, divide
+constexpr double kGeluFlopsPerElement = 8;       // tanh approximation
+constexpr double kMaskBytesPerElement = 1;       // dropout masks are kept as bytes [K section 4.1]
+
+LayerOp gemm_op(const std::string& name, double batch, double m, double n, double k, double e,
+                bool attention_core = false) {
+  LayerOp op;
+  op.name = name;
+  op.gemm = true;
+  op.attention_core = attention_core;
+  op.m = m, op.n = n, op.k = k, op.batch = batch;
+  op.flops = 2 * batch * m * n * k;
+  op.memory_bytes = batch * (m * k + k * n + m * n) * e;  // A, B read once, C written once
+  return op;
+}
+
+LayerOp elementwise_op(const std::string& name, double elements, double flops_per_element,
+                       double bytes_per_element, bool attention_core = false) {
+  LayerOp op;
+  op.name = name;
+  op.attention_core = attention_core;
+  op.flops = elements * flops_per_element;
+  op.memory_bytes = elements * bytes_per_element;
+  return op;
+}
+
+LayerOp layernorm_op(const std::string& name, double tokens, double h, double e) {
+  LayerOp op = elementwise_op(name, tokens * h, kLayerNormFlopsPerElement, 2 * e);  // read x, write y
+  op.memory_bytes += 2 * h * e;                                                      // gain, bias
+  return op;
+}
+
+// dropout(x) + residual: read x and the residual, write the sum and the mask.
+LayerOp dropout_residual_op(const std::string& name, double tokens, double h, double e) {
+  return elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement);
+}
+
+}  // namespace
+
+// Per-GPU forward ops of one layer [K figure 2 / section 4]. Tokens T = b s. The GEMMs and the
+// attention core run on T tokens with a/t heads; LayerNorm, dropout and residual run on T tokens
+// (replicated across the TP group) or on T/t tokens with sequence parallelism [K section 4.2.2].
+std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& shape) {
+  const double b = shape.micro_batch, s = m.seq_len, h = m.hidden, f = ffn_hidden_of(m);
+  const double t = std::max(1, shape.tp);
+  const double e = bytes_of(shape.dtype);
+  const double tokens = b * s;
+  const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
+  const double heads = m.heads > 0 ? m.heads : 1;
+  const double head_dim = h / heads;
+  const double local_heads = heads / t;
+  const double score_elements = b * local_heads * s * s;
+
+  std::vector<LayerOp> ops;
+  ops.push_back(layernorm_op("layernorm_1", norm_tokens, h, e));
+  ops.push_back(gemm_op("qkv", 1, tokens, 3 * h / t, h, e));
+  ops.push_back(gemm_op("attention_scores", b * local_heads, s, s, head_dim, e, true));
+  ops.push_back(elementwise_op("softmax", score_elements, kSoftmaxFlopsPerElement, 2 * e, true));
+  ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement,
+                               true));
+  ops.push_back(gemm_op("attention_over_v", b * local_heads, s, head_dim, s, e, true));
+  ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
+  ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e));
+  ops.push_back(layernorm_op("layernorm_2", norm_tokens, h, e));
+
+  if (!shape.moe || !m.is_moe()) {
+    ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
+    ops.push_back(elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e));
+    ops.push_back(gemm_op("mlp_down", 1, tokens, h, f / t, e));
+  } else {
+    // [DS] The gate is replicated in the TP group; DeepSpeed drops the TP-duplicated tokens before
+    // the all-to-all, so this GPU's share is T/t tokens, each sent to top_k experts, padded to the
+    // capacity factor. After the all-to-all the E/ep local experts hold those T k c / t tokens in
+    // aggregate (ep * capacity each); experts are not TP-split (enable_expert_tensor_parallelism off).
+    const double experts = m.experts;
+    const double ep = std::max(1, shape.ep);
+    const double local_experts = std::max(1.0, experts / ep);
+    const double routed_tokens = tokens / t * m.top_k * m.capacity_factor;
+    const double tokens_per_expert = routed_tokens / local_experts;
+    ops.push_back(gemm_op("moe_gate", 1, norm_tokens, experts, h, e));
+    ops.push_back(elementwise_op("moe_gate_softmax", norm_tokens * experts, kSoftmaxFlopsPerElement,
+                                 2 * e));
+    ops.push_back(elementwise_op("moe_dispatch", routed_tokens * h, 0, 2 * e));  // scatter to capacity slots
+    ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
+    ops.push_back(elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e));
+    ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
+    ops.push_back(elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e));  // weighted gather back
+  }
+  ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e));
+  return ops;
+}
+
+// Vocab-parallel embedding [M]: each TP rank gathers the rows of its vocab shard (memory-bound),
+// adds positions, and the embedding dropout runs on T (or T/t with SP) tokens.
+std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape) {
+  const double b = shape.micro_batch, s = m.seq_len, h = m.hidden;
+  const double t = std::max(1, shape.tp);
+  const double e = bytes_of(shape.dtype);
+  const double tokens = b * s;
+  const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
+  std::vector<LayerOp> ops;
+  // read token ids (8 B), the gathered word rows and position rows, write the sum
+  LayerOp lookup = elementwise_op("embedding_lookup", tokens * h, 1, 3 * e);
+  lookup.memory_bytes += tokens * 8;
+  ops.push_back(lookup);
+  ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
+  return ops;
+}
+
+// Final LayerNorm, logits GEMM 2 b s h V / t, vocab-parallel softmax cross-entropy in fp32
+// (Megatron casts the logits to float: read 16-bit logits, write and re-read fp32 softmax).
+std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shape) {
+  const double b = shape.micro_batch, s = m.seq_len, h = m.hidden, v = m.vocab;
+  const double t = std::max(1, shape.tp);
+  const double e = bytes_of(shape.dtype);
+  const double tokens = b * s;
+  const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
+  std::vector<LayerOp> ops;
+  ops.push_back(layernorm_op("final_layernorm", norm_tokens, h, e));
+  ops.push_back(gemm_op("logits", 1, tokens, v / t, h, e));
+  ops.push_back(elementwise_op("softmax_cross_entropy", tokens * v / t, kSoftmaxFlopsPerElement + 2,
+                               e + 2 * 4));
+  return ops;
+}
+
+OpsCost& OpsCost::operator+=(const OpsCost& o) {
+  flops += o.flops;
+  gemm_flops += o.gemm_flops;
+  memory_bytes += o.memory_bytes;
+  kernels += o.kernels;
+  return *this;
+}
+
+OpsCost sum_cost(const std::vector<LayerOp>& ops) {
+  OpsCost c;
+  for (const auto& op : ops) {
+    c.flops += op.flops;
+    if (op.gemm) c.gemm_flops += op.flops;
+    c.memory_bytes += op.memory_bytes;
+    c.kernels += 1;
+  }
+  return c;
+}
+
+// Backward: each GEMM becomes two (dgrad: dA = dC B^T, wgrad: dB = A^T dC), each reading two operands
+// and writing one, so 2x FLOPs and 2x bytes; each elementwise op reads the incoming gradient and its
+// saved input and writes one gradient: ~2x bytes, and we count 2x its (small) FLOPs.
+OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
+  OpsCost c;
+  for (const auto& op : forward_ops) {
+    c.flops += 2 * op.flops;
+    if (op.gemm) c.gemm_flops += 2 * op.flops;
+    c.memory_bytes += 2 * op.memory_bytes;
+    c.kernels += op.gemm ? 2 : 1;
+  }
+  return c;
+}
+
+// Full recompute re-runs the whole forward; selective re-runs the attention core [K section 5].
+OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r) {
+  if (r == Recompute::none) return {};
+  if (r == Recompute::full) return sum_cost(forward_ops);
+  std::vector<LayerOp> core;
+  for (const auto& op : forward_ops)
+    if (op.attention_core) core.push_back(op);
+  return sum_cost(core);
+}
+
+}  // namespace dssim
