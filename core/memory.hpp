@@ -18,15 +18,37 @@ double zero_model_state_bytes(double psi, int stage, int n, double k = 12);
 // keeps only the layer input, 2 s b h (divided by t with SP).
 double activation_bytes_per_layer(double s, double b, double h, double a, int t,
                                   bool sequence_parallel, Recompute r);
+// The same for a model layer, generalised to ffn_hidden != 4h (34 = 18 + 4 ffn/h; the TP-split
+// part 24 = 8 + 4 ffn/h) and to MoE layers (expert MLP activations for top_k * capacity_factor
+// routed tokens, split over TP by DeepSpeed's token dropping); 16-bit activations are assumed by
+// Korthikanti, bytes_of(dtype)/2 scales the 2-byte terms for fp32.
+double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
+                                  bool sequence_parallel, Recompute r, bool moe_layer,
+                                  Dtype dtype = Dtype::bf16);
+
+// Micro-batches (in units of one stage's full set of layers) whose activations pipeline stage
+// `stage` holds at its peak: 1F1B keeps min(pp - stage, micro_batches); the interleaved schedule
+// with v chunks keeps (2 (pp - stage - 1) + (v - 1) pp + 1) chunks of layers/(pp v) layers, which is
+// Korthikanti's (1 + (p - 1)/(p v)) x p on stage 0.
+double in_flight_micro_batches(int pp, int stage, int interleave, int micro_batches);
+
+// Layers [first, last) of pipeline stage `stage`: ParallelSpec::partition if it sums to the layer
+// count, else uniform layers / pp with the first (layers % pp) stages taking one more.
+struct StageLayers { int first = 0, last = 0; int count() const { return last - first; } };
+StageLayers stage_layers(const Scenario& sc, int stage);
 
 struct MemoryBreakdown {
   double params = 0;        // 16-bit (or fp32) compute copy of parameters resident on the GPU
+                            // (ZeRO-3: the shard plus the gathered working set, params_gathered)
   double grads = 0;         // gradients resident on the GPU
   double optimizer = 0;     // fp32 master params + Adam moments resident on the GPU
   double activations = 0;   // activations kept for backward at the peak (1F1B in-flight micro-batches)
-  double comm_buffers = 0;  // ZeRO buckets, stage-3 gathered params, p2p buffers
+  double comm_buffers = 0;  // ZeRO reduce / all-gather buckets, pipeline p2p buffers
   double temporaries = 0;   // largest transient: logits + loss, recompute working set, workspace
   double host = 0;          // host (CPU) memory when offloading, per GPU
+  // Informational parts of the categories above (not added again by total()):
+  double params_gathered = 0;  // ZeRO-3: gathered working set + persistent small params, in params
+  double model_states() const { return params - params_gathered + grads + optimizer; }
   double total() const { return params + grads + optimizer + activations + comm_buffers + temporaries; }
 };
 

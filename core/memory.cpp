@@ -1,0 +1,299 @@
+// Memory model. Sources:
+//  [Z]   Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+//        Models", arXiv:1910.02054, section 3.1 and 5 / Table 1: mixed-precision Adam keeps 2 psi
+//        (fp16 params) + 2 psi (fp16 grads) + K psi (fp32 params, momentum, variance; K = 12).
+//  [ZO]  Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840: optimizer states, fp32 gradients and the
+//        update live on the host; the GPU keeps the 16-bit parameters.
+//  [K]   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+//        arXiv:2205.05198: section 4 (activations per layer, eq. 1-2, table 2), section 4.2.3
+//        (pipeline: stage 0 holds p micro-batches; interleaving: factor 1 + (p-1)/(p m)), section 4.3
+//        (embedding dropout, output layer, cross-entropy), section 5 (selective recompute).
+//  [DS]  DeepSpeed sources: runtime/zero/stage_1_and_2.py (ipg reduce buckets, double-buffered when
+//        overlap_comm; fp32 partition gradient for the step; allgather_bucket_size), stage3.py /
+//        partitioned_param_coordinator.py (prefetch_bucket_size, max_live_parameters,
+//        param_persistence_threshold), runtime/fp16/onebit/adam.py (worker/server error buffers),
+//        moe/ (experts sharded over the expert-data-parallel group dp/ep).
+//  [M]   Megatron-LM: vocab-parallel embedding and cross-entropy (fp32 logits), tied word embedding
+//        copy on the last pipeline stage, scatter-gather p2p of s b h / t with sequence parallelism.
+#include "core/memory.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/model.hpp"
+
+namespace dssim {
+
+// [Z] section 5.1 and Table 1.
+double zero_model_state_bytes(double psi, int stage, int n, double k) {
+  const double dp = std::max(1, n);
+  switch (stage) {
+    case 0: return (2 + 2 + k) * psi;
+    case 1: return (2 + 2) * psi + k * psi / dp;
+    case 2: return 2 * psi + (2 + k) * psi / dp;
+    default: return (2 + 2 + k) * psi / dp;
+  }
+}
+
+// [K] eq. 1 (no parallelism), eq. 2 (TP), section 4.2.2 (TP + SP), table 2 (recompute variants).
+double activation_bytes_per_layer(double s, double b, double h, double a, int t,
+                                  bool sequence_parallel, Recompute r) {
+  const double tp = std::max(1, t);
+  const double sbh = s * b * h;
+  if (r == Recompute::full) return sequence_parallel ? 2 * sbh / tp : 2 * sbh;
+  const double core = r == Recompute::selective ? 0 : 5 * a * s / (h * tp);
+  if (sequence_parallel) return sbh * (34 / tp + core);
+  return sbh * (10 + 24 / tp + core);
+}
+
+// Generalised [K] section 4.1 per layer, 16-bit (scale sc = bytes/2 for fp32; masks stay 1 byte):
+//   replicated in the TP group (split by SP): LN inputs 4, QKV input 2, MLP input 2, 2 dropout
+//     masks 2 -> 10 sbh;
+//   TP-split: Q, K 4, V 2, projection input 2 = 8 sbh; MLP: GeLU input 2 ffn sb, down input 2 ffn sb;
+//   attention core (TP-split, dropped by selective recompute): softmax output 2 a s^2 b, dropout
+//     mask a s^2 b, dropout output 2 a s^2 b = 5 a s^2 b.
+// MoE layer [DS]: the expert MLP keeps its inputs for the routed tokens of this GPU,
+// R = s b top_k capacity / t, each 2h (up input) + 4 ffn (GeLU and down inputs), plus fp32 gate
+// probabilities s b E (on s b / t tokens with SP).
+double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
+                                  bool sequence_parallel, Recompute r, bool moe_layer, Dtype dtype) {
+  const double s = m.seq_len, b = micro_batch, h = m.hidden, a = m.heads, f = ffn_hidden_of(m);
+  const double t = std::max(1, tp);
+  const double sc = bytes_of(dtype) / 2.0;
+  const double sbh = s * b * h;
+  const double sp_div = sequence_parallel ? t : 1.0;
+  if (r == Recompute::full) return 2 * sc * sbh / sp_div;  // only the layer input is kept
+  const double replicated = (8 * sc + 2) * sbh / sp_div;
+  double split = 8 * sc * sbh / t;
+  if (moe_layer && m.is_moe()) {
+    const double routed = s * b * m.top_k * m.capacity_factor / t;
+    split += routed * (2 * h + 4 * f) * sc + 4.0 * s * b * m.experts / sp_div;
+  } else {
+    split += 4 * sc * s * b * f / t;
+  }
+  const double core = r == Recompute::selective ? 0 : (4 * sc + 1) * a * s * s * b / t;
+  return replicated + split + core;
+}
+
+// [K] section 4.2.3; Megatron's schedules.py warm-up counts: 1F1B stage i runs pp - i - 1 warm-up
+// forwards before its first backward; interleaved: 2 (pp - i - 1) + (v - 1) pp warm-up chunks.
+double in_flight_micro_batches(int pp, int stage, int interleave, int micro_batches) {
+  const int p = std::max(1, pp);
+  const int v = std::max(1, interleave);
+  const int mb = micro_batches > 0 ? micro_batches : p;
+  if (v == 1) return std::max(1, std::min(p - stage, mb));
+  const double chunks = std::min(2.0 * (p - stage - 1) + (v - 1.0) * p + 1, 1.0 * v * mb);
+  return std::max(1.0, chunks) / v;
+}
+
+StageLayers stage_layers(const Scenario& sc, int stage) {
+  const int pp = std::max(1, sc.parallel.pp);
+  const auto& part = sc.parallel.partition;
+  const int layers = sc.model.layers;
+  if (static_cast<int>(part.size()) == pp &&
+      std::accumulate(part.begin(), part.end(), 0) == layers) {
+    int first = std::accumulate(part.begin(), part.begin() + stage, 0);
+    return {first, first + part[stage]};
+  }
+  const int base = layers / pp, extra = layers % pp;
+  const int first = stage * base + std::min(stage, extra);
+  return {first, first + base + (stage < extra ? 1 : 0)};
+}
+
+namespace {
+
+int micro_batches_of(const Scenario& sc) {
+  if (sc.training.grad_accum > 0) return sc.training.grad_accum;
+  const double per_step = static_cast<double>(sc.training.micro_batch) * std::max(1, sc.parallel.dp);
+  if (sc.training.global_batch > 0 && per_step > 0)
+    return std::max<int>(1, static_cast<int>(sc.training.global_batch / per_step));
+  return std::max(1, sc.parallel.pp);
+}
+
+// Parameter elements resident on one GPU of `stage` before ZeRO sharding, split into the dense part
+// (replicated over dp) and the expert part (replicated over dp / ep) [DS moe].
+struct StageParams {
+  double dense = 0, expert = 0;
+  double largest_module = 0;  // largest single tensor-owning module (what ZeRO-3 gathers at once)
+  double persistent = 0;      // ZeRO-3: tensors under param_persistence_threshold, kept whole
+  double total() const { return dense + expert; }
+};
+
+StageParams stage_params(const Scenario& sc, int stage) {
+  const ModelSpec& m = sc.model;
+  const double h = m.hidden, f = ffn_hidden_of(m), v = m.vocab, s = m.seq_len;
+  const double t = std::max(1, sc.parallel.tp);
+  const double ep = std::max(1, sc.parallel.ep);
+  const int pp = std::max(1, sc.parallel.pp);
+  const double threshold = sc.zero.param_persistence_threshold;
+  StageParams p;
+  auto module = [&](double elems) { p.largest_module = std::max(p.largest_module, elems); };
+  auto small = [&](double elems) { if (elems < threshold) p.persistent += elems; };
+
+  const StageLayers range = stage_layers(sc, stage);
+  for (int i = range.first; i < range.last; ++i) {
+    const bool moe = is_moe_layer(m, i);
+    // Megatron TP splits every weight matrix and the column-parallel biases by t; LayerNorms and
+    // row-parallel biases are replicated. We divide the whole layer by t (error O(h) per layer).
+    const double attention_and_norms = dense_layer_params(m) - expert_mlp_params(m);
+    p.dense += attention_and_norms / t;
+    module(3 * h * h / t + 3 * h / t);
+    module(h * h / t + h);
+    for (double e : {h, h, h, h, 3 * h / t, h}) small(e);  // 2 LayerNorms, QKV and proj biases
+    if (moe) {
+      // experts are not TP-split (DeepSpeed's default); the gate is replicated in the TP group
+      p.dense += h * m.experts;
+      p.expert += std::ceil(m.experts / ep) * expert_mlp_params(m);
+      module(h * m.experts);
+      module(h * f + f);
+      for (int e = 0; e < std::ceil(m.experts / ep); ++e) small(f), small(h);
+    } else {
+      p.dense += expert_mlp_params(m) / t;
+      module(h * f / t + f / t);
+      small(f / t), small(h);
+    }
+  }
+  const bool first = stage == 0, last = stage == pp - 1;
+  if (first) {
+    p.dense += v * h / t + s * h;  // vocab-parallel word embedding + positions
+    module(v * h / t);
+    module(s * h);
+  }
+  if (last) {
+    p.dense += 2 * h;  // final LayerNorm
+    small(h), small(h);
+    // Untied output layer, or Megatron's copy of the tied word embedding on the last stage.
+    if (!m.tied_embeddings || (pp > 1 && !first)) {
+      p.dense += v * h / t;
+      module(v * h / t);
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
+  const ModelSpec& m = sc.model;
+  const ParallelSpec& par = sc.parallel;
+  const ZeroSpec& z = sc.zero;
+  const int pp = std::max(1, par.pp);
+  stage = std::clamp(stage, 0, pp - 1);
+  const double t = std::max(1, par.tp);
+  const double dp = std::max(1, par.dp);
+  const double expert_dp = std::max(1.0, dp / std::max(1, par.ep));  // expert-data-parallel size
+  const bool mixed = sc.precision.dtype != Dtype::fp32;
+  const double pb = bytes_of(sc.precision.dtype);  // compute copy of params (16-bit or fp32)
+  const double gb = pb;                            // gradients in the parameter dtype [Z]
+  // [Z] K = 12 for mixed precision (fp32 master, momentum, variance); plain fp32 Adam keeps only
+  // momentum and variance (the parameters are their own master): K = 8.
+  const double kb = mixed ? 12 : 8;
+  const int zstage = std::clamp(z.stage, 0, 3);
+
+  const StageParams sp = stage_params(sc, stage);
+  const double psi = sp.total();
+  const double shard = sp.dense / dp + sp.expert / expert_dp;  // ZeRO partition of this GPU
+  const double opt_elems = zstage >= 1 ? shard : psi;          // optimizer states sharded by stage >= 1
+  MemoryBreakdown mb;
+
+  // Parameters [Z]: full copy for stages 0-2; stage 3 keeps its shard plus what is gathered.
+  if (zstage < 3) {
+    mb.params = pb * psi;
+  } else {
+    // [DS stage3] a module is all-gathered before its forward/backward; the coordinator prefetches
+    // further modules up to prefetch_bucket_size elements, never holding more than
+    // max_live_parameters; small tensors below param_persistence_threshold stay whole.
+    const double largest = sp.largest_module;
+    const double live_cap = std::max(largest, static_cast<double>(z.max_live_parameters));
+    const double gathered =
+        std::min(psi, std::min(live_cap, largest + static_cast<double>(z.prefetch_bucket_size)));
+    mb.params_gathered = pb * (gathered + sp.persistent);
+    mb.params = (z.offload_param ? 0 : pb * shard) + mb.params_gathered;
+  }
+
+  // Gradients [Z]: full for stages 0-1, partitioned for 2-3. With optimizer offload (stage >= 2)
+  // each reduced partition goes straight to the host fp32 gradient buffer [ZO].
+  if (zstage < 2)
+    mb.grads = gb * psi;
+  else
+    mb.grads = z.offload_optimizer ? 0 : gb * shard;
+
+  // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
+  // of the shard = 16 bytes per element for mixed precision.
+  if (z.offload_optimizer) {
+    mb.host += (kb + 4) * opt_elems;
+  } else {
+    mb.optimizer = kb * opt_elems;
+    // 1-bit Adam [DS onebit/adam.py]: fp32 worker error (whole flat buffer) and server error
+    // (1/n of it) for the error-compensated compressed all-reduce.
+    if (sc.optimizer.kind == OptimizerKind::onebit_adam) mb.optimizer += 4 * psi + 4 * psi / dp;
+  }
+  if (zstage == 3 && z.offload_param) mb.host += pb * shard;  // 16-bit params live on the host
+
+  // Activations [K]: per layer x the stage's layers x in-flight micro-batches.
+  const int b = std::max(1, sc.training.micro_batch);
+  const double s = m.seq_len, h = m.hidden, v = m.vocab;
+  const double sp_div = par.sequence_parallel ? t : 1.0;
+  const double sc2 = pb / 2.0;
+  const StageLayers range = stage_layers(sc, stage);
+  double per_micro_batch = 0;
+  for (int i = range.first; i < range.last; ++i)
+    per_micro_batch += activation_bytes_per_layer(m, b, par.tp, par.sequence_parallel, sc.recompute,
+                                                  is_moe_layer(m, i), sc.precision.dtype);
+  const double in_flight = in_flight_micro_batches(pp, stage, par.interleave, micro_batches_of(sc));
+  // [K] 4.3: the embedding dropout mask (1 byte) of every in-flight micro-batch on stage 0.
+  if (stage == 0) per_micro_batch += s * b * h / sp_div;
+  mb.activations = per_micro_batch * in_flight;
+  // [K] 4.3: the last stage keeps the final LayerNorm input and the output-layer input (4 s b h / t
+  // with SP) of the one micro-batch whose backward follows its forward.
+  if (stage == pp - 1) mb.activations += 4 * sc2 * s * b * h / sp_div;
+
+  // Communication buffers.
+  // [DS stage_1_and_2 / stage3] ipg gradient bucket of reduce_bucket_size elements, double-buffered
+  // with overlap_comm; stage 0's engine flattens gradients in buckets of the same size (one at a time).
+  const double reduce_bucket = std::min(static_cast<double>(z.reduce_bucket_size), psi);
+  if (zstage == 0)
+    mb.comm_buffers += gb * reduce_bucket;
+  else
+    mb.comm_buffers += gb * reduce_bucket * (z.overlap_comm ? 2 : 1);
+  // [DS stage_1_and_2] the updated 16-bit partitions are all-gathered in allgather_bucket_size chunks.
+  if (zstage == 1 || zstage == 2)
+    mb.comm_buffers += pb * std::min(static_cast<double>(z.allgather_bucket_size), psi);
+  // [M] pipeline p2p: receive buffers for the forward activation and the backward gradient of one
+  // micro-batch, s b h (/t with the scatter-gather optimisation under SP).
+  if (pp > 1) mb.comm_buffers += 2 * pb * s * b * h / sp_div;
+
+  // Temporaries: the largest transient of the backward phase, or of the optimizer step, whichever
+  // raises the peak more (activations are freed before the step).
+  double backward_transient = 0;
+  // [M] vocab-parallel cross-entropy casts the logits to fp32: 4 b s V / t on the last stage.
+  if (stage == pp - 1) backward_transient = 4.0 * b * s * v / t;
+  // Recompute working set: the layer being recomputed materialises its full activations (full) or
+  // its attention core (selective) for one micro-batch.
+  if (sc.recompute != Recompute::none) {
+    const bool moe = range.count() > 0 && m.is_moe();
+    const double full = activation_bytes_per_layer(m, b, par.tp, par.sequence_parallel,
+                                                   Recompute::none, moe, sc.precision.dtype);
+    const double kept = activation_bytes_per_layer(m, b, par.tp, par.sequence_parallel, sc.recompute,
+                                                   moe, sc.precision.dtype);
+    backward_transient = std::max(backward_transient, full - kept);
+  }
+  // [DS] the step runs on an fp32 copy of the (partitioned) gradients when they are 16-bit and the
+  // optimizer is on the GPU.
+  const double step_transient = (mixed && !z.offload_optimizer) ? 4 * opt_elems : 0;
+  mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
+  return mb;
+}
+
+MemoryBreakdown peak_memory(const Scenario& sc) {
+  const int pp = std::max(1, sc.parallel.pp);
+  MemoryBreakdown best = stage_memory(sc, 0);
+  for (int st = 1; st < pp; ++st) {
+    MemoryBreakdown cur = stage_memory(sc, st);
+    if (cur.total() > best.total()) best = cur;
+  }
+  return best;
+}
+
+}  // namespace dssim
