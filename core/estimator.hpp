@@ -18,4 +18,9 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
 
 Timeline estimate(const Scenario& sc, const Program& program);
 
+// The whole analytic report: representative Program, estimate, memory plan, and (when it does not
+// fit, or `always_suggest`) the fit advisor's alternatives.
+struct Report;
+Report analytic_report(const Scenario& sc, bool suggest = true);
+
 }  // namespace dssim

@@ -41,6 +41,11 @@ struct Report {
   nlohmann::json extras = nlohmann::json::object();  // backend-specific sections
 };
 
+// The report of one interpreted Program (analytic estimate or simulation): iteration time from the
+// timeline, breakdown of the rank that ends last (first stage on ties), memory plan, wire bytes.
+Report make_report(const Scenario& sc, const Program& program, const Timeline& timeline,
+                   const std::string& backend);
+
 // Fills throughput, FLOP/s, MFU/HFU, time-to-train from iteration_seconds and the scenario.
 void fill_throughput(const Scenario& sc, Report& r);
 // Wire bytes per rank by purpose for the materialized rank `rank_index`.

@@ -1,0 +1,45 @@
+// dssim: distributed-training testbed. `dssim VERB ...`; `dssim help` lists the verbs.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cli/verbs.hpp"
+
+namespace {
+
+void usage(FILE* out) {
+  std::fprintf(out,
+               "usage: dssim VERB [options]\n\n"
+               "verbs:\n"
+               "  scenario FILE.yaml   predict one training iteration: memory, time, where it goes\n"
+               "  run FILE.yaml        train the scenario's model for real (libtorch; --backend cpu|cuda)\n"
+               "  help                 this text\n\n"
+               "`dssim VERB --help` shows the verb's options. Scenario format: docs/scenario-format.md\n");
+}
+
+}  // namespace
+
+#ifndef DSSIM_HAVE_TORCH
+int dssim::cli::verb_run(int, char**) {
+  std::fprintf(stderr, "dssim run: this dssim was built without the torch backend "
+                       "(configure with -DDSSIM_WITH_TORCH=ON and libtorch installed)\n");
+  return 2;
+}
+#endif
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  const std::string verb = argv[1];
+  if (verb == "help" || verb == "--help" || verb == "-h") {
+    usage(stdout);
+    return 0;
+  }
+  if (verb == "scenario") return dssim::cli::verb_scenario(argc - 1, argv + 1);
+  if (verb == "run") return dssim::cli::verb_run(argc - 1, argv + 1);
+  std::fprintf(stderr, "dssim: unknown verb '%s'\n\n", verb.c_str());
+  usage(stderr);
+  return 2;
+}

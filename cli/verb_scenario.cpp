@@ -1,0 +1,79 @@
+// `dssim scenario FILE.yaml`: the predicted report of one training iteration.
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "cli/output_file.hpp"
+#include "cli/verbs.hpp"
+#include "core/estimator.hpp"
+#include "core/report.hpp"
+#include "core/scenario_loader.hpp"
+
+namespace po = boost::program_options;
+
+namespace dssim::cli {
+
+int verb_scenario(int argc, char** argv) {
+  po::options_description opts("dssim scenario FILE.yaml [options]");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("deepspeed_config", po::value<std::string>(), "a DeepSpeed ds_config.json mapped onto the scenario")
+      ("set", po::value<std::vector<std::string>>()->composing(), "override a key: --set parallel.pp=16 (repeatable)")
+      ("gpus", po::value<int>()->default_value(0), "resize the cluster to N GPUs (data parallelism absorbs it)")
+      ("backend", po::value<std::string>()->default_value("analytic"), "analytic (closed form over the Program)")
+      ("json", "print the report as JSON (keys: docs/report-json.md)")
+      ("output,o", po::value<std::string>(), "also write the JSON report to this file (atomically)")
+      ("verbose,v", "more detail: zero rows, bytes per collective");
+  po::options_description hidden;
+  hidden.add_options()("file", po::value<std::string>(), "scenario file");
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("file", 1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "dssim scenario: %s\n\n", e.what());
+    std::cerr << opts;
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  if (!vm.count("file")) {
+    std::fprintf(stderr, "dssim scenario: missing FILE.yaml (e.g. dssim scenario scenarios/gpt175b.yaml)\n");
+    return 2;
+  }
+  const std::string backend = vm["backend"].as<std::string>();
+  if (backend != "analytic") {
+    std::fprintf(stderr, "dssim scenario: unknown --backend '%s' (available: analytic)\n", backend.c_str());
+    return 2;
+  }
+  LoadOptions lo;
+  if (vm.count("deepspeed_config")) lo.deepspeed_config = vm["deepspeed_config"].as<std::string>();
+  if (vm.count("set")) lo.overrides = vm["set"].as<std::vector<std::string>>();
+  lo.gpus = vm["gpus"].as<int>();
+  try {
+    const Scenario sc = load_scenario(vm["file"].as<std::string>(), lo);
+    const Report r = analytic_report(sc);
+    const nlohmann::json j = report_json(sc, r);
+    if (vm.count("output")) write_file_atomically(vm["output"].as<std::string>(), j.dump(2) + "\n");
+    if (vm.count("json"))
+      std::cout << j.dump(2) << "\n";
+    else
+      std::cout << report_text(sc, r, vm.count("verbose") > 0);
+    return 0;
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "dssim scenario: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dssim scenario: failed: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace dssim::cli

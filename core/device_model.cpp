@@ -1,0 +1,61 @@
+#include "core/device_model.hpp"
+
+#include <algorithm>
+
+namespace dssim {
+
+DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype)
+    : cluster_(cluster),
+      peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16) {}
+
+// Saturating curve: small GEMMs cannot fill the GPU's SMs (wave quantization, launch latency);
+// large ones reach the plateau. eff(f) = plateau * f / (f + f_half).
+double DeviceModel::gemm_efficiency(double flops) const {
+  const GpuSpec& g = cluster_.gpu;
+  return g.gemm_efficiency * flops / (flops + g.gemm_half_flops);
+}
+
+double DeviceModel::kernel_seconds(const LayerOp& op) const {
+  const GpuSpec& g = cluster_.gpu;
+  if (op.attention_core && !op.gemm && op.flops == 0) {
+    // softmax / dropout of the attention core are fused into the flash-attention kernel
+    return 0.0;
+  }
+  double compute = 0;
+  double memory = op.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
+  if (op.attention_core) {
+    // QK^T and attention-over-V run inside one fused (flash) kernel: FLOP-bound, and its s x s
+    // intermediates never reach HBM.
+    compute = op.flops / (peak_ * g.attention_efficiency);
+    memory = 0;
+    return compute + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
+  }
+  if (op.gemm && op.flops > 0) compute = op.flops / (peak_ * gemm_efficiency(op.flops));
+  return std::max(compute, memory) + g.kernel_launch;
+}
+
+double DeviceModel::compute_seconds(const Program& program, const Instruction& inst) const {
+  const GpuSpec& g = cluster_.gpu;
+  if (inst.ops >= 0 && inst.ops < static_cast<int>(program.op_lists.size())) {
+    double t = 0;
+    for (const LayerOp& op : program.op_lists[inst.ops]) t += kernel_seconds(op);
+    return t;
+  }
+  // No kernel list (optimizer step): a fused multi-tensor kernel, memory-bound in practice.
+  const double memory = inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
+  const double compute = inst.flops / (cluster_.gpu.peak_flops_32 > 0 ? cluster_.gpu.peak_flops_32 : peak_);
+  return std::max(memory, compute) + g.kernel_launch;
+}
+
+double DeviceModel::host_seconds(const Instruction& inst) const {
+  // DeepSpeed's CPUAdam streams params, grads and moments through host memory; the node's
+  // bandwidth is shared by the node's GPUs, which all step at the same time.
+  const double per_gpu_bw = cluster_.host_memory_bandwidth / std::max(1, cluster_.gpus_per_node);
+  return inst.memory_bytes / per_gpu_bw;
+}
+
+double DeviceModel::copy_seconds(const Instruction& inst) const {
+  return cluster_.gpu.pcie_latency + inst.bytes / cluster_.gpu.pcie_bandwidth;
+}
+
+}  // namespace dssim

@@ -1,0 +1,228 @@
+#include "core/estimator.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "core/collective_model.hpp"
+#include "core/device_model.hpp"
+
+namespace dssim {
+
+std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program) {
+  const DeviceModel device(sc.cluster, sc.precision.dtype);
+  std::vector<double> op_list_seconds(program.op_lists.size(), -1.0);
+  struct Key {
+    int group; Op op; double bytes;
+    bool operator==(const Key& o) const { return group == o.group && op == o.op && bytes == o.bytes; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      uint64_t b; std::memcpy(&b, &k.bytes, sizeof b);
+      return std::hash<uint64_t>()(b * 1000003u + uint64_t(k.group) * 31u + uint64_t(k.op));
+    }
+  };
+  std::unordered_map<Key, double, KeyHash> collective_cache;
+
+  std::vector<std::vector<double>> out(program.ranks.size());
+  for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
+    const RankProgram& rp = program.ranks[ri];
+    out[ri].resize(rp.instructions.size());
+    for (size_t i = 0; i < rp.instructions.size(); ++i) {
+      const Instruction& in = rp.instructions[i];
+      double t = 0;
+      if (in.op == Op::HostOptimizerStep) {
+        t = device.host_seconds(in);
+      } else if (is_compute(in.op)) {
+        if (in.ops >= 0) {
+          double& cached = op_list_seconds.at(in.ops);
+          if (cached < 0) cached = device.compute_seconds(program, in);
+          t = cached;
+        } else {
+          t = device.compute_seconds(program, in);
+        }
+      } else if (is_collective(in.op)) {
+        const Key key{in.group, in.op, in.bytes};
+        auto it = collective_cache.find(key);
+        if (it == collective_cache.end())
+          it = collective_cache.emplace(key, collective_seconds(sc.cluster, in.op, in.bytes,
+                                                                program.groups.at(in.group).ranks)).first;
+        t = it->second;
+      } else if (in.op == Op::Send || in.op == Op::Recv) {
+        const int me = rp.rank;
+        t = in.op == Op::Send ? p2p_seconds(sc.cluster, in.bytes, me, in.peer)
+                              : p2p_seconds(sc.cluster, in.bytes, in.peer, me);
+      } else {
+        t = device.copy_seconds(in);
+      }
+      out[ri][i] = t * std::max(1, in.repeat);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+struct Rendezvous {
+  int arrived = 0;
+  double ready = 0;
+  std::vector<std::pair<int, uint32_t>> members;  // (rank index, instruction)
+};
+
+}  // namespace
+
+Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds) {
+  const size_t nr = program.ranks.size();
+  Timeline tl;
+  tl.spans.resize(nr);
+  std::vector<int> index_of_rank(program.world > 0 ? program.world : 0, -1);
+  for (size_t ri = 0; ri < nr; ++ri) {
+    const int r = program.ranks[ri].rank;
+    if (r >= static_cast<int>(index_of_rank.size())) index_of_rank.resize(r + 1, -1);
+    index_of_rank[r] = static_cast<int>(ri);
+  }
+  // How many materialized members each group has: the rendezvous completes when they all arrive.
+  std::vector<int> materialized(program.groups.size(), 0);
+  for (size_t g = 0; g < program.groups.size(); ++g)
+    for (int r : program.groups[g].ranks)
+      if (r < static_cast<int>(index_of_rank.size()) && index_of_rank[r] >= 0) ++materialized[g];
+
+  // Per rank: instruction indices of each stream, cursors, completion flags.
+  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams(nr);
+  std::vector<std::array<size_t, kStreams>> cursor(nr);
+  std::vector<std::array<double, kStreams>> stream_free(nr);
+  std::vector<std::vector<char>> done(nr), posted(nr);
+  std::vector<std::vector<uint32_t>> collective_seq(nr);  // per instruction: its sequence on its group
+  size_t remaining = 0;
+  for (size_t ri = 0; ri < nr; ++ri) {
+    const auto& ins = program.ranks[ri].instructions;
+    tl.spans[ri].resize(ins.size());
+    done[ri].assign(ins.size(), 0);
+    posted[ri].assign(ins.size(), 0);
+    collective_seq[ri].assign(ins.size(), 0);
+    std::unordered_map<int, uint32_t> seq_by_group;
+    for (uint32_t i = 0; i < ins.size(); ++i) {
+      streams[ri][static_cast<int>(ins[i].stream)].push_back(i);
+      if (is_collective(ins[i].op)) collective_seq[ri][i] = seq_by_group[ins[i].group]++;
+    }
+    cursor[ri].fill(0);
+    stream_free[ri].fill(0.0);
+    remaining += ins.size();
+  }
+
+  std::map<std::pair<int, uint32_t>, Rendezvous> collectives;          // (group, seq)
+  std::map<std::tuple<int, int, int>, std::pair<int, uint32_t>> p2p;   // (src, dst, tag) -> first poster
+  std::map<std::tuple<int, int, int>, double> p2p_ready;
+
+  auto finish = [&](int ri, uint32_t i, double start) {
+    const Instruction& in = program.ranks[ri].instructions[i];
+    const double end = start + seconds[ri][i];
+    tl.spans[ri][i] = {start, end};
+    done[ri][i] = 1;
+    const int s = static_cast<int>(in.stream);
+    stream_free[ri][s] = end;
+    ++cursor[ri][s];
+    tl.makespan = std::max(tl.makespan, end);
+    --remaining;
+  };
+
+  while (remaining > 0) {
+    bool progress = false;
+    for (size_t ri = 0; ri < nr; ++ri) {
+      const RankProgram& rp = program.ranks[ri];
+      for (int s = 0; s < kStreams; ++s) {
+        while (cursor[ri][s] < streams[ri][s].size()) {
+          const uint32_t i = streams[ri][s][cursor[ri][s]];
+          const Instruction& in = rp.instructions[i];
+          double ready = stream_free[ri][s];
+          bool blocked = false;
+          for (uint32_t d = 0; d < in.deps_count; ++d) {
+            const uint32_t dep = rp.deps[in.deps_begin + d];
+            if (!done[ri][dep]) { blocked = true; break; }
+            ready = std::max(ready, tl.spans[ri][dep].end);
+          }
+          if (blocked) break;
+          if (is_collective(in.op)) {
+            if (posted[ri][i]) break;  // waiting for the rest of the group
+            posted[ri][i] = 1;
+            auto& rv = collectives[{in.group, collective_seq[ri][i]}];
+            rv.arrived++;
+            rv.ready = std::max(rv.ready, ready);
+            rv.members.emplace_back(static_cast<int>(ri), i);
+            progress = true;
+            if (rv.arrived < materialized[in.group]) break;
+            const double start = rv.ready;
+            for (auto& [mr, mi] : rv.members) finish(mr, mi, start);
+            continue;
+          }
+          if (in.op == Op::Send || in.op == Op::Recv) {
+            const int me = rp.rank;
+            const int src = in.op == Op::Send ? me : in.peer;
+            const int dst = in.op == Op::Send ? in.peer : me;
+            const int peer_index = in.peer < static_cast<int>(index_of_rank.size()) ? index_of_rank[in.peer] : -1;
+            if (peer_index < 0) { finish(static_cast<int>(ri), i, ready); progress = true; continue; }
+            if (posted[ri][i]) break;
+            posted[ri][i] = 1;
+            progress = true;
+            const auto key = std::make_tuple(src, dst, in.tag);
+            auto it = p2p.find(key);
+            if (it == p2p.end()) {
+              p2p.emplace(key, std::make_pair(static_cast<int>(ri), i));
+              p2p_ready[key] = ready;
+              break;
+            }
+            const double start = std::max(ready, p2p_ready[key]);
+            finish(it->second.first, it->second.second, start);
+            finish(static_cast<int>(ri), i, start);
+            p2p.erase(it);
+            p2p_ready.erase(key);
+            continue;
+          }
+          finish(static_cast<int>(ri), i, ready);
+          progress = true;
+        }
+      }
+    }
+    if (!progress) {
+      for (size_t ri = 0; ri < nr; ++ri)
+        for (int s = 0; s < kStreams; ++s)
+          if (cursor[ri][s] < streams[ri][s].size()) {
+            const Instruction& in = program.ranks[ri].instructions[streams[ri][s][cursor[ri][s]]];
+            throw std::runtime_error("Program deadlocks: rank " + std::to_string(program.ranks[ri].rank) +
+                                     " stream " + to_string(in.stream) + " is stuck at " +
+                                     to_string(in.op) + " (" + to_string(in.purpose) + ", micro-batch " +
+                                     std::to_string(in.micro_batch) + ")");
+          }
+      throw std::runtime_error("Program deadlocks");
+    }
+  }
+  return tl;
+}
+
+Timeline estimate(const Scenario& sc, const Program& program) {
+  return evaluate_program(program, instruction_seconds(sc, program));
+}
+
+}  // namespace dssim
+
+#include "core/fit_advisor.hpp"
+#include "core/program_builder.hpp"
+#include "core/report.hpp"
+
+namespace dssim {
+
+Report analytic_report(const Scenario& sc, bool suggest) {
+  BuildOptions opts;
+  opts.representative_only = true;
+  const Program program = build_program(sc, opts);
+  const Timeline tl = estimate(sc, program);
+  Report r = make_report(sc, program, tl, "analytic");
+  if (suggest && !r.fits) r.suggestions = fit_suggestions(sc);
+  return r;
+}
+
+}  // namespace dssim

@@ -1,0 +1,256 @@
+#include "core/report.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "core/model.hpp"
+
+namespace dssim {
+
+void fill_throughput(const Scenario& sc, Report& r) {
+  const double batch = static_cast<double>(sc.training.global_batch);
+  const double gpus = sc.cluster.world();
+  const double peak = sc.precision.dtype == Dtype::fp32 ? sc.cluster.gpu.peak_flops_32
+                                                       : sc.cluster.gpu.peak_flops_16;
+  r.parameters = parameter_count(sc.model);
+  r.gpu_memory_bytes = sc.cluster.gpu.memory_bytes;
+  r.model_flops_per_iteration = model_flops_per_iteration(sc.model, batch);
+  r.hardware_flops_per_iteration = hardware_flops_per_iteration(sc.model, batch, sc.recompute);
+  if (r.iteration_seconds <= 0) return;
+  r.samples_per_second = batch / r.iteration_seconds;
+  r.tokens_per_second = r.samples_per_second * sc.model.seq_len;
+  r.model_tflops_per_gpu = r.model_flops_per_iteration / r.iteration_seconds / gpus / 1e12;
+  r.hardware_tflops_per_gpu = r.hardware_flops_per_iteration / r.iteration_seconds / gpus / 1e12;
+  r.mfu = r.model_tflops_per_gpu * 1e12 / peak;
+  r.hfu = r.hardware_tflops_per_gpu * 1e12 / peak;
+  r.time_to_train_seconds = sc.training.tokens_to_train > 0 ? sc.training.tokens_to_train / r.tokens_per_second : 0;
+}
+
+std::map<std::string, double> wire_bytes_by_purpose(const Program& program, int rank_index) {
+  std::map<std::string, double> out;
+  const RankProgram& rp = program.ranks.at(rank_index);
+  for (const Instruction& in : rp.instructions) {
+    double b = 0;
+    if (is_collective(in.op)) {
+      b = wire_bytes_per_rank(in.op, in.bytes, static_cast<int>(program.groups.at(in.group).ranks.size()));
+    } else if (in.op == Op::Send || in.op == Op::CopyD2H || in.op == Op::CopyH2D) {
+      b = in.bytes;
+    } else {
+      continue;
+    }
+    out[to_string(in.purpose)] += b * std::max(1, in.repeat);
+  }
+  return out;
+}
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string human_count(double v) {
+  if (v >= 1e12) return fmt("%.2f T", v / 1e12);
+  if (v >= 1e9) return fmt("%.2f B", v / 1e9);
+  if (v >= 1e6) return fmt("%.2f M", v / 1e6);
+  if (v >= 1e3) return fmt("%.2f k", v / 1e3);
+  return fmt("%.0f", v);
+}
+
+std::string human_seconds(double s) {
+  if (s >= 86400) return fmt("%.1f days", s / 86400);
+  if (s >= 3600) return fmt("%.1f h", s / 3600);
+  if (s >= 1) return fmt("%.3f s", s);
+  if (s >= 1e-3) return fmt("%.2f ms", s * 1e3);
+  return fmt("%.1f us", s * 1e6);
+}
+
+std::string human_bytes(double b) {
+  if (b >= kGiB) return fmt("%.2f GiB", b / kGiB);
+  if (b >= 1024.0 * 1024.0) return fmt("%.1f MiB", b / (1024.0 * 1024.0));
+  if (b >= 1024.0) return fmt("%.1f KiB", b / 1024.0);
+  return fmt("%.0f B", b);
+}
+
+void line(std::ostringstream& o, const std::string& label, const std::string& value) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "  %-26s %s\n", label.c_str(), value.c_str());
+  o << buf;
+}
+
+std::vector<std::pair<const char*, double>> time_rows(const TimeBreakdown& t) {
+  return {{"forward", t.forward},           {"backward", t.backward},
+          {"recompute", t.recompute},       {"optimizer", t.optimizer},
+          {"exposed TP comm", t.exposed_tp}, {"exposed PP comm", t.exposed_pp},
+          {"exposed DP comm", t.exposed_dp}, {"exposed EP comm", t.exposed_ep},
+          {"exposed offload (PCIe)", t.exposed_offload}, {"pipeline bubble", t.bubble},
+          {"idle (waiting for slowest rank)", t.idle}};
+}
+
+std::vector<std::pair<const char*, double>> memory_rows(const MemoryBreakdown& m) {
+  return {{"parameters", m.params},       {"gradients", m.grads},
+          {"optimizer states", m.optimizer}, {"activations", m.activations},
+          {"communication buffers", m.comm_buffers}, {"temporaries", m.temporaries}};
+}
+
+}  // namespace
+
+std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
+  std::ostringstream o;
+  const auto& p = sc.parallel;
+  const auto& m = sc.model;
+  o << "dssim " << (sc.name.empty() ? sc.source : sc.name) << " - " << r.backend
+    << (r.backend == "analytic" || r.backend == "sim" ? " prediction" : " measurement") << ", one iteration\n\n";
+
+  o << "Configuration\n";
+  std::string model = human_count(r.parameters) + " parameters (" + std::to_string(m.layers) + " layers, h " +
+                      std::to_string(m.hidden) + ", " + std::to_string(m.heads) + " heads, s " +
+                      std::to_string(m.seq_len) + ", V " + std::to_string(m.vocab);
+  if (m.is_moe()) model += ", " + std::to_string(m.experts) + " experts top-" + std::to_string(m.top_k);
+  line(o, "model", model + ")");
+  line(o, "GPUs", std::to_string(sc.cluster.world()) + " x " + sc.cluster.gpu.name + " (" +
+                      std::to_string(sc.cluster.nodes) + " nodes x " + std::to_string(sc.cluster.gpus_per_node) + ")");
+  line(o, "parallelism", "TP " + std::to_string(p.tp) + " | PP " + std::to_string(p.pp) + " | DP " +
+                             std::to_string(p.dp) + " | EP " + std::to_string(p.ep) +
+                             (p.sequence_parallel ? " | sequence parallel" : "") +
+                             (p.interleave > 1 ? " | interleave " + std::to_string(p.interleave) : ""));
+  std::string zero = "stage " + std::to_string(sc.zero.stage);
+  if (sc.zero.offload_optimizer) zero += ", optimizer offload";
+  if (sc.zero.offload_param) zero += ", parameter offload";
+  line(o, "ZeRO", zero);
+  line(o, "batch", "global " + std::to_string(sc.training.global_batch) + " = micro-batch " +
+                       std::to_string(sc.training.micro_batch) + " x accumulation " +
+                       std::to_string(sc.training.grad_accum) + " x DP " + std::to_string(p.dp));
+  line(o, "precision / recompute", std::string(to_string(sc.precision.dtype)) + " / " + to_string(sc.recompute));
+  line(o, "optimizer", sc.optimizer.kind == OptimizerKind::onebit_adam
+                           ? "1-bit Adam (freeze_step " + std::to_string(sc.optimizer.freeze_step) + ", reporting step " +
+                                 std::to_string(sc.optimizer.step) + ")"
+                           : std::string("AdamW"));
+
+  o << "\nMemory per GPU (peak)\n";
+  for (auto& [label, v] : memory_rows(r.memory)) line(o, label, human_bytes(v));
+  const double total = r.memory.total();
+  const double cap = r.gpu_memory_bytes;
+  line(o, "total", human_bytes(total) + " of " + human_bytes(cap) + ": " +
+                       (r.fits ? "fits (" + human_bytes(cap - total) + " free)"
+                               : "DOES NOT FIT by " + human_bytes(total - cap)));
+  if (r.memory.host > 0) line(o, "host (CPU) memory per GPU", human_bytes(r.memory.host));
+  if (!r.suggestions.empty()) {
+    o << "\n" << (r.fits ? "Other configurations\n" : "Changes that would make it fit\n");
+    for (const auto& s : r.suggestions)
+      line(o, s.change, human_bytes(s.peak_bytes) + (s.fits ? " fits" : " still too big") + ", iteration " +
+                            human_seconds(s.iteration_seconds));
+  }
+
+  o << "\nThroughput\n";
+  line(o, "iteration time", human_seconds(r.iteration_seconds));
+  line(o, "tokens/s", human_count(r.tokens_per_second) + " tokens/s");
+  line(o, "samples/s", fmt("%.2f samples/s", r.samples_per_second));
+  line(o, "model FLOP/s per GPU", fmt("%.1f TFLOP/s", r.model_tflops_per_gpu) + fmt("  (MFU %.1f %%)", 100 * r.mfu));
+  line(o, "hardware FLOP/s per GPU", fmt("%.1f TFLOP/s", r.hardware_tflops_per_gpu) + fmt("  (HFU %.1f %%)", 100 * r.hfu));
+  if (r.time_to_train_seconds > 0)
+    line(o, "time to train " + human_count(sc.training.tokens_to_train) + " tokens", human_seconds(r.time_to_train_seconds));
+
+  o << "\nWhere the time goes (rank " << r.critical_rank << ")\n";
+  for (auto& [label, v] : time_rows(r.time)) {
+    if (v <= 0 && !verbose) continue;
+    line(o, label, human_seconds(v) + fmt("  %5.1f %%", r.iteration_seconds > 0 ? 100 * v / r.iteration_seconds : 0));
+  }
+  if (verbose && !r.wire_bytes_per_rank.empty()) {
+    o << "\nBytes on the wire per rank per iteration\n";
+    for (auto& [k, v] : r.wire_bytes_per_rank) line(o, k, human_bytes(v));
+  }
+  if (!sc.warnings.empty()) {
+    o << "\nWarnings\n";
+    for (const auto& w : sc.warnings) o << "  - " << w << "\n";
+  }
+  return o.str();
+}
+
+nlohmann::json report_json(const Scenario& sc, const Report& r) {
+  using nlohmann::json;
+  json j;
+  j["schema"] = "dssim.report/1";
+  j["backend"] = r.backend;
+  j["scenario"] = {{"name", sc.name}, {"source", sc.source}};
+  j["config"] = {
+      {"parameters", r.parameters},
+      {"layers", sc.model.layers}, {"hidden", sc.model.hidden}, {"heads", sc.model.heads},
+      {"seq_len", sc.model.seq_len}, {"vocab", sc.model.vocab}, {"experts", sc.model.experts},
+      {"top_k", sc.model.top_k},
+      {"gpus", sc.cluster.world()}, {"gpu", sc.cluster.gpu.name}, {"nodes", sc.cluster.nodes},
+      {"gpus_per_node", sc.cluster.gpus_per_node},
+      {"tp", sc.parallel.tp}, {"pp", sc.parallel.pp}, {"dp", sc.parallel.dp}, {"ep", sc.parallel.ep},
+      {"sequence_parallel", sc.parallel.sequence_parallel}, {"interleave", sc.parallel.interleave},
+      {"zero_stage", sc.zero.stage}, {"offload_optimizer", sc.zero.offload_optimizer},
+      {"offload_param", sc.zero.offload_param},
+      {"micro_batch", sc.training.micro_batch}, {"grad_accum", sc.training.grad_accum},
+      {"global_batch", sc.training.global_batch},
+      {"precision", to_string(sc.precision.dtype)}, {"recompute", to_string(sc.recompute)},
+      {"optimizer", sc.optimizer.kind == OptimizerKind::onebit_adam ? "onebit_adam" : "adamw"}};
+  j["memory_bytes"] = {{"params", r.memory.params}, {"grads", r.memory.grads},
+                       {"optimizer", r.memory.optimizer}, {"activations", r.memory.activations},
+                       {"comm_buffers", r.memory.comm_buffers}, {"temporaries", r.memory.temporaries},
+                       {"total", r.memory.total()}, {"host", r.memory.host},
+                       {"gpu_capacity", r.gpu_memory_bytes}};
+  j["fits"] = r.fits;
+  json sug = json::array();
+  for (const auto& s : r.suggestions)
+    sug.push_back({{"change", s.change}, {"peak_bytes", s.peak_bytes}, {"iteration_seconds", s.iteration_seconds},
+                   {"fits", s.fits}});
+  j["suggestions"] = sug;
+  j["throughput"] = {{"iteration_seconds", r.iteration_seconds},
+                     {"tokens_per_second", r.tokens_per_second},
+                     {"samples_per_second", r.samples_per_second},
+                     {"model_flops_per_iteration", r.model_flops_per_iteration},
+                     {"hardware_flops_per_iteration", r.hardware_flops_per_iteration},
+                     {"model_tflops_per_gpu", r.model_tflops_per_gpu},
+                     {"hardware_tflops_per_gpu", r.hardware_tflops_per_gpu},
+                     {"mfu", r.mfu}, {"hfu", r.hfu},
+                     {"time_to_train_seconds", r.time_to_train_seconds}};
+  const TimeBreakdown& t = r.time;
+  j["time_seconds"] = {{"forward", t.forward}, {"backward", t.backward}, {"recompute", t.recompute},
+                       {"optimizer", t.optimizer}, {"exposed_tp", t.exposed_tp}, {"exposed_pp", t.exposed_pp},
+                       {"exposed_dp", t.exposed_dp}, {"exposed_ep", t.exposed_ep},
+                       {"exposed_offload", t.exposed_offload}, {"bubble", t.bubble}, {"idle", t.idle}};
+  j["critical_rank"] = r.critical_rank;
+  j["wire_bytes_per_rank"] = r.wire_bytes_per_rank;
+  if (!r.losses.empty()) j["losses"] = r.losses;
+  j["warnings"] = sc.warnings;
+  j["extras"] = r.extras;
+  return j;
+}
+
+}  // namespace dssim
+
+namespace dssim {
+
+Report make_report(const Scenario& sc, const Program& program, const Timeline& timeline,
+                   const std::string& backend) {
+  Report r;
+  r.backend = backend;
+  r.iteration_seconds = timeline.makespan;
+  int critical = 0;
+  double latest = -1;
+  for (size_t ri = 0; ri < timeline.spans.size(); ++ri) {
+    double end = 0;
+    for (const Span& s : timeline.spans[ri]) end = std::max(end, s.end);
+    if (end > latest * (1 + 1e-12)) { latest = end; critical = static_cast<int>(ri); }
+  }
+  if (!program.ranks.empty()) {
+    r.critical_rank = program.ranks[critical].rank;
+    r.time = attribute_time(program, timeline, critical);
+    r.wire_bytes_per_rank = wire_bytes_by_purpose(program, critical);
+  }
+  r.memory = peak_memory(sc);
+  fill_throughput(sc, r);
+  r.fits = r.memory.total() <= r.gpu_memory_bytes;
+  return r;
+}
+
+}  // namespace dssim

@@ -1,0 +1,89 @@
+#include "core/timeline.hpp"
+
+#include <algorithm>
+
+namespace dssim {
+
+namespace {
+
+// Which bucket of the breakdown a communication instruction's exposed time belongs to.
+double* comm_bucket(TimeBreakdown& t, const Instruction& in) {
+  switch (in.purpose) {
+    case Purpose::TensorParallel: return &t.exposed_tp;
+    case Purpose::PipelineActivation:
+    case Purpose::PipelineGradient: return &t.exposed_pp;
+    case Purpose::MoEDispatch:
+    case Purpose::MoECombine: return &t.exposed_ep;
+    case Purpose::OffloadGradient:
+    case Purpose::OffloadParam: return &t.exposed_offload;
+    default: return &t.exposed_dp;  // gradient reduce, param gather, embedding sync, 1-bit phases
+  }
+}
+
+double* busy_bucket(TimeBreakdown& t, const Instruction& in) {
+  switch (in.op) {
+    case Op::Forward: return &t.forward;
+    case Op::Backward: return &t.backward;
+    case Op::Recompute: return &t.recompute;
+    case Op::OptimizerStep:
+    case Op::HostOptimizerStep: return &t.optimizer;
+    case Op::CopyH2D:
+    case Op::CopyD2H: return &t.exposed_offload;
+    default: return comm_bucket(t, in);
+  }
+}
+
+}  // namespace
+
+TimeBreakdown attribute_time(const Program& program, const Timeline& timeline, int rank_index) {
+  TimeBreakdown t;
+  const RankProgram& rp = program.ranks.at(rank_index);
+  const auto& spans = timeline.spans.at(rank_index);
+  double cursor = 0;     // end of the compute stream's last instruction
+  double rank_end = 0;
+  int last_ending = -1;
+  for (uint32_t i = 0; i < rp.instructions.size(); ++i) {
+    if (spans[i].end >= rank_end) { rank_end = spans[i].end; last_ending = static_cast<int>(i); }
+    const Instruction& in = rp.instructions[i];
+    if (in.stream != Stream::Compute) continue;
+    const Span& sp = spans[i];
+    const double gap = sp.start - cursor;
+    if (gap > 0) {
+      // The binding dependency: the one that finished last.
+      int binding = -1;
+      double binding_end = -1;
+      for (uint32_t d = 0; d < in.deps_count; ++d) {
+        const uint32_t dep = rp.deps[in.deps_begin + d];
+        if (spans[dep].end > binding_end) { binding_end = spans[dep].end; binding = static_cast<int>(dep); }
+      }
+      if (binding >= 0 && binding_end >= sp.start - 1e-15) {
+        const Instruction& b = rp.instructions[binding];
+        const double comm_from = std::max(cursor, spans[binding].start);
+        const double exposed = std::max(0.0, sp.start - comm_from);
+        if (is_compute(b.op) && b.op != Op::HostOptimizerStep) {
+          t.bubble += gap;
+        } else {
+          double* bucket = b.op == Op::HostOptimizerStep ? &t.optimizer : busy_bucket(t, b);
+          *bucket += exposed;
+          t.bubble += gap - exposed;
+        }
+      } else {
+        t.bubble += gap;  // waiting at a rendezvous for slower peers, or for a pipeline neighbour
+      }
+    }
+    *busy_bucket(t, in) += sp.end - sp.start;
+    cursor = sp.end;
+  }
+  // Work that runs past the compute stream's end (a trailing gradient reduction or parameter
+  // all-gather) is exposed; the rest of the iteration this rank waits for the slowest one.
+  if (rank_end > cursor && last_ending >= 0) {
+    const Instruction& in = rp.instructions[last_ending];
+    double* bucket = is_compute(in.op) ? (in.op == Op::HostOptimizerStep ? &t.optimizer : &t.bubble)
+                                       : busy_bucket(t, in);
+    *bucket += rank_end - cursor;
+  }
+  t.idle = std::max(0.0, timeline.makespan - std::max(rank_end, cursor));
+  return t;
+}
+
+}  // namespace dssim

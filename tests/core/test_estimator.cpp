@@ -1,0 +1,151 @@
+// The analytic estimator's evaluation of a Program: stream order, cross-stream waits, collective
+// rendezvous, send/recv matching, and the attribution of time to compute / comm / bubble.
+#include <catch2/catch.hpp>
+
+#include "core/collective_model.hpp"
+#include "core/estimator.hpp"
+#include "core/timeline.hpp"
+
+using namespace dssim;
+
+namespace {
+Instruction compute(Op op, int mb = -1) {
+  Instruction i{};
+  i.op = op;
+  i.stream = Stream::Compute;
+  i.micro_batch = mb;
+  return i;
+}
+Instruction p2p(Op op, int peer, int tag, Purpose purpose) {
+  Instruction i{};
+  i.op = op;
+  i.stream = Stream::PpComm;
+  i.peer = peer;
+  i.tag = tag;
+  i.purpose = purpose;
+  return i;
+}
+}  // namespace
+
+TEST_CASE("a Recv waits for the matching Send; the wait is bubble, the transfer exposed PP", "[estimator]") {
+  Program p;
+  p.world = 2;
+  p.ranks.resize(2);
+  p.ranks[0].rank = 0;
+  p.ranks[1].rank = 1;
+  // rank 0: forward (1 s) then send (0.25 s)
+  uint32_t f0 = p.ranks[0].add(compute(Op::Forward, 0));
+  p.ranks[0].add(p2p(Op::Send, 1, 7, Purpose::PipelineActivation), {f0});
+  // rank 1: recv, then forward (2 s) waiting for it
+  uint32_t r1 = p.ranks[1].add(p2p(Op::Recv, 0, 7, Purpose::PipelineActivation));
+  p.ranks[1].add(compute(Op::Forward, 0), {r1});
+  std::vector<std::vector<double>> secs = {{1.0, 0.25}, {0.25, 2.0}};
+  Timeline tl = evaluate_program(p, secs);
+  CHECK(tl.spans[1][0].start == Approx(1.0));
+  CHECK(tl.spans[1][0].end == Approx(1.25));
+  CHECK(tl.spans[1][1].start == Approx(1.25));
+  CHECK(tl.makespan == Approx(3.25));
+  TimeBreakdown t1 = attribute_time(p, tl, 1);
+  CHECK(t1.forward == Approx(2.0));
+  CHECK(t1.bubble == Approx(1.0));
+  CHECK(t1.exposed_pp == Approx(0.25));
+  CHECK(t1.total() == Approx(tl.makespan));
+  TimeBreakdown t0 = attribute_time(p, tl, 0);
+  CHECK(t0.exposed_pp == Approx(0.25));  // trailing send after the last compute
+  CHECK(t0.idle == Approx(2.0));
+  CHECK(t0.total() == Approx(tl.makespan));
+}
+
+TEST_CASE("a collective starts when its last member arrives", "[estimator]") {
+  Program p;
+  p.world = 2;
+  p.groups.push_back({GroupKind::DP, {0, 1}});
+  p.ranks.resize(2);
+  for (int r = 0; r < 2; ++r) {
+    p.ranks[r].rank = r;
+    uint32_t b = p.ranks[r].add(compute(Op::Backward));
+    Instruction ar{};
+    ar.op = Op::AllReduce;
+    ar.stream = Stream::DpComm;
+    ar.group = 0;
+    ar.purpose = Purpose::GradientReduce;
+    uint32_t a = p.ranks[r].add(ar, {b});
+    p.ranks[r].add(compute(Op::OptimizerStep), {a});
+  }
+  std::vector<std::vector<double>> secs = {{1.0, 0.5, 0.1}, {3.0, 0.5, 0.1}};
+  Timeline tl = evaluate_program(p, secs);
+  CHECK(tl.spans[0][1].start == Approx(3.0));
+  CHECK(tl.spans[0][2].start == Approx(3.5));
+  CHECK(tl.makespan == Approx(3.6));
+  TimeBreakdown t0 = attribute_time(p, tl, 0);
+  CHECK(t0.exposed_dp == Approx(0.5));
+  CHECK(t0.bubble == Approx(2.0));  // waiting for the straggler
+  CHECK(t0.total() == Approx(tl.makespan));
+}
+
+TEST_CASE("communication overlapped with compute is not exposed", "[estimator]") {
+  Program p;
+  p.world = 2;
+  p.groups.push_back({GroupKind::DP, {0, 1}});
+  p.ranks.resize(1);  // representative: rank 1 behaves like rank 0
+  p.representative_only = true;
+  RankProgram& rp = p.ranks[0];
+  rp.rank = 0;
+  uint32_t b0 = rp.add(compute(Op::Backward));
+  Instruction ar{};
+  ar.op = Op::ReduceScatter;
+  ar.stream = Stream::DpComm;
+  ar.group = 0;
+  ar.purpose = Purpose::GradientReduce;
+  uint32_t a0 = rp.add(ar, {b0});
+  uint32_t b1 = rp.add(compute(Op::Backward));
+  uint32_t a1 = rp.add(ar, {b1});
+  rp.add(compute(Op::OptimizerStep), {a0, a1});
+  // reduce of bucket 0 (0.8 s) hides under backward 1 (1 s); bucket 1's (0.8 s) is exposed.
+  Timeline tl = evaluate_program(p, {{1.0, 0.8, 1.0, 0.8, 0.2}});
+  CHECK(tl.makespan == Approx(3.0));
+  TimeBreakdown t = attribute_time(p, tl, 0);
+  CHECK(t.backward == Approx(2.0));
+  CHECK(t.exposed_dp == Approx(0.8));
+  CHECK(t.optimizer == Approx(0.2));
+  CHECK(t.bubble == Approx(0.0));
+}
+
+TEST_CASE("a Program that cannot complete is reported, not looped on", "[estimator]") {
+  Program p;
+  p.world = 2;
+  p.ranks.resize(2);
+  p.ranks[0].rank = 0;
+  p.ranks[1].rank = 1;
+  p.ranks[0].add(p2p(Op::Recv, 1, 1, Purpose::PipelineGradient));
+  p.ranks[1].add(p2p(Op::Recv, 0, 2, Purpose::PipelineActivation));
+  CHECK_THROWS_WITH(evaluate_program(p, {{0.1}, {0.1}}), Catch::Contains("deadlock"));
+}
+
+TEST_CASE("ring collective closed forms", "[estimator][collective]") {
+  ClusterSpec c;
+  c.gpus_per_node = 8;
+  c.gpu.nvlink_bandwidth = 300e9;
+  c.gpu.nvlink_latency = 0;
+  c.nics_per_node = 8;
+  c.nic_bandwidth = 25e9;
+  c.nic_latency = 0;
+  c.switch_latency = 0;
+  const double S = 1e9;
+  // inside one node: 2 (N-1)/N S / B_nvlink
+  std::vector<int> node0 = {0, 1, 2, 3, 4, 5, 6, 7};
+  CHECK(collective_seconds(c, Op::AllReduce, S, node0) == Approx(2.0 * 7 / 8 * S / 300e9));
+  CHECK(collective_seconds(c, Op::AllGather, S, node0) == Approx(7.0 / 8 * S / 300e9));
+  // one GPU per node (a Megatron DP group with TP 8): each GPU's share is one NIC
+  std::vector<int> dp = {0, 8, 16, 24};
+  CHECK(collective_seconds(c, Op::AllReduce, S, dp) == Approx(2.0 * 3 / 4 * S / 25e9));
+  // a whole-node group across nodes crosses each node boundary once per channel: all 8 NICs
+  std::vector<int> world16;
+  for (int r = 0; r < 16; ++r) world16.push_back(r);
+  CHECK(collective_seconds(c, Op::AllReduce, S, world16) == Approx(2.0 * 15 / 16 * S / 200e9));
+  // latency terms: 2 (N-1) steps of alpha for all-reduce
+  c.gpu.nvlink_latency = 1e-6;
+  CHECK(collective_seconds(c, Op::AllReduce, 0, node0) == Approx(14e-6));
+  CHECK(p2p_seconds(c, 1e6, 0, 1) == Approx(1e-6 + 1e6 / 300e9));
+  CHECK(p2p_seconds(c, 1e6, 0, 8) == Approx(1e6 / 25e9));
+}
