@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# test_cli.sh DSSIM CASE: one end-to-end check of the dssim program (run from the repo root).
+set -u
+DSSIM=$1
+CASE=$2
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+DS=tests/data/ds_configs
+
+fail() { echo "FAIL [$CASE]: $*"; echo "--- stdout"; cat "$TMP/out" 2>/dev/null; echo "--- stderr"; cat "$TMP/err" 2>/dev/null; exit 1; }
+run() { "$DSSIM" "$@" >"$TMP/out" 2>"$TMP/err"; echo $? >"$TMP/rc"; }
+rc() { cat "$TMP/rc"; }
+expect_rc() { [ "$(rc)" = "$1" ] || fail "exit code $(rc), expected $1"; }
+expect_err() { grep -qiE -- "$1" "$TMP/err" || fail "stderr lacks /$1/"; }
+expect_out() { grep -qiE -- "$1" "$TMP/out" || fail "stdout lacks /$1/"; }
+# A bad-input run: exit 2, a message matching $1, and no output file left behind.
+expect_refused() {
+  expect_rc 2
+  expect_err "$1"
+  [ -z "$(ls -A "$TMP/outdir" 2>/dev/null)" ] || fail "partial output left: $(ls "$TMP/outdir")"
+}
+yaml() { cat >"$TMP/s.yaml"; }
+mkdir -p "$TMP/outdir"
+
+case "$CASE" in
+  gpt175b_report)
+    run scenario scenarios/gpt175b.yaml
+    expect_rc 0
+    expect_out "174\.[0-9]+ B parameters"
+    expect_out "TP 8 \| PP 8 \| DP 16"
+    expect_out "iteration time"
+    expect_out "MFU"
+    expect_out "pipeline bubble"
+    expect_out "fits|DOES NOT FIT"
+    ;;
+  gpt175b_json_valid)
+    run scenario scenarios/gpt175b.yaml --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["schema"] == "dssim.report/1"
+t = j["throughput"]["iteration_seconds"]
+assert t > 0
+parts = sum(j["time_seconds"].values())
+assert abs(parts - t) <= 1e-6 * t, (parts, t)
+assert j["config"]["tp"] == 8 and j["config"]["pp"] == 8 and j["config"]["dp"] == 16
+assert 0 < j["throughput"]["mfu"] < 1
+for k in ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries", "total", "gpu_capacity"):
+    assert k in j["memory_bytes"], k
+PY
+    ;;
+  output_written_atomically)
+    run scenario scenarios/gpt175b.yaml --output "$TMP/outdir/r.json"
+    expect_rc 0
+    python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$TMP/outdir/r.json" || fail "bad JSON file"
+    [ "$(ls "$TMP/outdir")" = "r.json" ] || fail "stray files: $(ls "$TMP/outdir")"
+    ;;
+  every_shipped_scenario)
+    n=0
+    for f in scenarios/*.yaml scenarios/tiny/*.yaml; do
+      [ -f "$f" ] || continue
+      run scenario "$f" --json
+      expect_rc 0
+      n=$((n+1))
+    done
+    [ "$n" -ge 6 ] || fail "only $n shipped scenarios"
+    ;;
+  missing_file)
+    run scenario "$TMP/nope.yaml" --output "$TMP/outdir/r.json"
+    expect_refused "nope.yaml"
+    ;;
+  malformed_yaml)
+    printf 'model:\n  preset: gpt-1.3b\n  layers: [1, 2\n' | yaml
+    run scenario "$TMP/s.yaml" --output "$TMP/outdir/r.json"
+    expect_refused "line [0-9]+"
+    ;;
+  unknown_key)
+    run scenario scenarios/gpt175b.yaml --set parallel.tpp=4 --output "$TMP/outdir/r.json"
+    expect_refused "parallel\.tpp.*parallel\.tp"
+    ;;
+  wrong_type)
+    run scenario scenarios/gpt175b.yaml --set parallel.tp=eight --output "$TMP/outdir/r.json"
+    expect_refused "parallel\.tp.*integer"
+    ;;
+  bad_batch_triple)
+    run scenario scenarios/tiny/tiny_dp1.yaml --deepspeed_config $DS/bad_batch_triple.json --output "$TMP/outdir/r.json"
+    expect_refused "8 != 2 \* 1 \* 1"
+    ;;
+  fp16_and_bf16)
+    run scenario scenarios/tiny/tiny_dp1.yaml --deepspeed_config $DS/bad_fp16_and_bf16.json --output "$TMP/outdir/r.json"
+    expect_refused "fp16.*bf16"
+    ;;
+  zero3_with_pp)
+    run scenario scenarios/gpt175b.yaml --set zero.stage=3 --output "$TMP/outdir/r.json"
+    expect_refused "pipeline"
+    ;;
+  onebit_with_zero)
+    run scenario scenarios/onebit_adam.yaml --set zero.stage=1 --output "$TMP/outdir/r.json"
+    expect_refused "1-bit|onebit"
+    ;;
+  heads_tp)
+    run scenario scenarios/gpt175b.yaml --set model.heads=100 --output "$TMP/outdir/r.json"
+    expect_refused "heads"
+    ;;
+  layers_pp)
+    run scenario scenarios/gpt175b.yaml --set model.layers=90 --output "$TMP/outdir/r.json"
+    expect_refused "layers"
+    ;;
+  gpus_mismatch)
+    run scenario scenarios/gpt175b.yaml --set parallel.dp=7 --output "$TMP/outdir/r.json"
+    expect_refused "1024"
+    ;;
+  ds_config_warnings)
+    run scenario scenarios/tiny/tiny_dp1.yaml --deepspeed_config $DS/cross_dc_comm.json
+    expect_rc 0
+    expect_out "nccl_socket_ifname"
+    ;;
+  does_not_fit_suggests)
+    run scenario scenarios/gpt175b.yaml --set zero.stage=0 --set training.micro_batch=8 --set training.global_batch=1536 --set training.grad_accum=12
+    expect_rc 0
+    expect_out "DOES NOT FIT"
+    expect_out "Changes that would make it fit"
+    ;;
+  unknown_verb)
+    run frobnicate
+    expect_rc 2
+    expect_err "unknown verb"
+    ;;
+  *) fail "unknown case" ;;
+esac
+echo "ok [$CASE]"
