@@ -1,0 +1,264 @@
+// Memory model against the ZeRO paper's Table 1 and Korthikanti et al.'s activation forms.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "core/memory.hpp"
+#include "core/model.hpp"
+
+using namespace dssim;
+using Catch::Detail::Approx;
+
+namespace {
+
+ModelSpec gpt(int layers, int hidden, int heads) {
+  ModelSpec m;
+  m.name = "gpt";
+  m.layers = layers;
+  m.hidden = hidden;
+  m.heads = heads;
+  m.vocab = 51200;
+  m.seq_len = 2048;
+  return m;
+}
+
+Scenario scenario(const ModelSpec& m, int dp, int tp = 1, int pp = 1, int zero_stage = 0) {
+  Scenario sc;
+  sc.name = "test";
+  sc.model = m;
+  sc.parallel.dp = dp;
+  sc.parallel.tp = tp;
+  sc.parallel.pp = pp;
+  sc.zero.stage = zero_stage;
+  sc.training.micro_batch = 1;
+  sc.training.grad_accum = 16;
+  sc.training.global_batch = 16LL * dp;
+  sc.precision.dtype = Dtype::fp16;
+  return sc;
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO Table 1: model-state memory per GPU", "[memory]") {
+  // Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  // SC'20, arXiv:1910.02054, Table 1: per-device memory (GB) of model states for K = 12,
+  // columns P_os, P_os+g, P_os+g+p; the baseline DP column is 16 psi for every N.
+  struct Cell { double psi; int n; double os, os_g, os_g_p; };
+  const Cell table[] = {
+      {7.5e9, 1, 120, 120, 120},       {7.5e9, 4, 52.5, 41.3, 30},
+      {7.5e9, 16, 35.6, 21.6, 7.5},    {7.5e9, 64, 31.4, 16.6, 1.88},
+      {7.5e9, 256, 30.4, 15.4, 0.47},  {7.5e9, 1024, 30.1, 15.1, 0.12},
+      {128e9, 1, 2048, 2048, 2048},    {128e9, 4, 896, 704, 512},
+      {128e9, 16, 608, 368, 128},      {128e9, 64, 536, 284, 32},
+      {128e9, 256, 518, 263, 8},       {128e9, 1024, 513, 257, 2},
+      {1e12, 1, 16000, 16000, 16000},  {1e12, 4, 7000, 5500, 4000},
+      {1e12, 16, 4750, 2875, 1000},    {1e12, 64, 4187, 2218, 250},
+      {1e12, 256, 4046, 2054, 62.5},   {1e12, 1024, 4011, 2013, 15.6},
+  };
+  for (const Cell& c : table) {
+    INFO("psi=" << c.psi << " N=" << c.n);
+    CHECK(zero_model_state_bytes(c.psi, 0, c.n) / 1e9 == Approx(16 * c.psi / 1e9).epsilon(1e-12));
+    // Within 1%, or within the table's rounding (2 decimals: 0.12 for 0.117 at 7.5B, N = 1024).
+    CHECK(zero_model_state_bytes(c.psi, 1, c.n) / 1e9 == Approx(c.os).epsilon(0.01));
+    CHECK(zero_model_state_bytes(c.psi, 2, c.n) / 1e9 == Approx(c.os_g).epsilon(0.01));
+    CHECK(zero_model_state_bytes(c.psi, 3, c.n) / 1e9 ==
+          Approx(c.os_g_p).epsilon(0.01).margin(0.005));
+  }
+  // K is honoured (fp32 Adam without mixed precision would be k = 8 with 4+4 bytes; here only K).
+  CHECK(zero_model_state_bytes(1e9, 0, 8, 8) == Approx(12e9));
+}
+
+TEST_CASE("Korthikanti activation forms per layer", "[memory]") {
+  const double s = 2048, b = 1, h = 12288, a = 96, t = 8;
+  const double sbh = s * b * h;
+  CHECK(activation_bytes_per_layer(s, b, h, a, 1, false, Recompute::none) ==
+        Approx(sbh * (34 + 5 * a * s / h)));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, false, Recompute::none) ==
+        Approx(sbh * (10 + 24 / t + 5 * a * s / (h * t))));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, true, Recompute::none) ==
+        Approx(sbh * (34 / t + 5 * a * s / (h * t))));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, true, Recompute::selective) == Approx(sbh * 34 / t));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, false, Recompute::selective) ==
+        Approx(sbh * (10 + 24 / t)));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, false, Recompute::full) == Approx(2 * sbh));
+  CHECK(activation_bytes_per_layer(s, b, h, a, 8, true, Recompute::full) == Approx(2 * sbh / t));
+
+  // Korthikanti section 5: selective recompute saves 70% of GPT-3 175B's activations
+  // (t = 8, SP: 5as/h = 80 of 34 + 80 = 114).
+  const double none = activation_bytes_per_layer(s, b, h, a, 8, true, Recompute::none);
+  const double sel = activation_bytes_per_layer(s, b, h, a, 8, true, Recompute::selective);
+  CHECK(5 * a * s / h == Approx(80));
+  CHECK(1 - sel / none == Approx(80.0 / 114).epsilon(1e-9));
+  CHECK(1 - sel / none == Approx(0.70).margin(0.005));
+
+  // The model-based overload reduces to the same forms for a dense ffn = 4h layer in 16-bit.
+  ModelSpec m = gpt(96, 12288, 96);
+  for (int tp : {1, 2, 8})
+    for (bool seqp : {false, true})
+      for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+        if (seqp && tp == 1) continue;
+        INFO("tp=" << tp << " sp=" << seqp << " r=" << static_cast<int>(r));
+        CHECK(activation_bytes_per_layer(m, 2, tp, seqp, r, false) ==
+              Approx(activation_bytes_per_layer(s, 2, h, a, tp, seqp, r)));
+      }
+}
+
+TEST_CASE("in-flight micro-batches: 1F1B and interleaved", "[memory]") {
+  CHECK(in_flight_micro_batches(1, 0, 1, 8) == 1);
+  CHECK(in_flight_micro_batches(8, 0, 1, 64) == 8);
+  CHECK(in_flight_micro_batches(8, 3, 1, 64) == 5);
+  CHECK(in_flight_micro_batches(8, 7, 1, 64) == 1);
+  CHECK(in_flight_micro_batches(8, 0, 1, 4) == 4);  // fewer micro-batches than stages
+  // Korthikanti 4.2.3: interleaving with v chunks multiplies stage 0's memory by 1 + (p-1)/(p v).
+  for (int p : {2, 4, 8})
+    for (int v : {2, 3, 4}) {
+      INFO("p=" << p << " v=" << v);
+      CHECK(in_flight_micro_batches(p, 0, v, 1000) == Approx(p * (1 + (p - 1.0) / (p * v))));
+    }
+}
+
+TEST_CASE("ZeRO-3 7.5B on 64 GPUs: model states 1.88 GB", "[memory]") {
+  Scenario sc = scenario(gpt(36, 4096, 32), 64, 1, 1, 3);  // Megatron's 7.5B configuration
+  const MemoryBreakdown mb = peak_memory(sc);
+  CHECK(mb.model_states() / 1e9 == Approx(1.88).epsilon(0.01));
+  CHECK(mb.model_states() == Approx(zero_model_state_bytes(parameter_count(sc.model), 3, 64)));
+  CHECK(mb.params_gathered > 0);
+  // the working set: the largest module (the vocab embedding) plus the prefetch bucket, 16-bit
+  CHECK(mb.params_gathered >= 2.0 * (51200.0 * 4096 + sc.zero.prefetch_bucket_size));
+  CHECK(mb.params_gathered < 2.0 * (51200.0 * 4096 + sc.zero.prefetch_bucket_size) * 1.05);
+}
+
+TEST_CASE("ZeRO stages: model states per stage and monotone totals", "[memory]") {
+  const ModelSpec m = gpt(24, 2048, 16);
+  const double psi = parameter_count(m);
+  double prev_states = 1e300, prev_total = 1e300;
+  for (int stage = 0; stage <= 3; ++stage) {
+    INFO("stage " << stage);
+    const MemoryBreakdown mb = peak_memory(scenario(m, 16, 1, 1, stage));
+    CHECK(mb.model_states() == Approx(zero_model_state_bytes(psi, stage, 16)));
+    CHECK(mb.model_states() < prev_states);
+    if (stage > 0) CHECK(mb.optimizer == Approx(12 * psi / 16));
+    CHECK(mb.total() < prev_total);
+    CHECK(mb.host == 0);
+    prev_states = mb.model_states();
+    prev_total = mb.total();
+  }
+}
+
+TEST_CASE("offload moves the optimizer to the host", "[memory]") {
+  const ModelSpec m = gpt(24, 2048, 16);
+  const double psi = parameter_count(m);
+  for (int stage : {1, 2, 3}) {
+    INFO("stage " << stage);
+    Scenario sc = scenario(m, 8, 1, 1, stage);
+    const MemoryBreakdown on_gpu = peak_memory(sc);
+    sc.zero.offload_optimizer = true;
+    const MemoryBreakdown off = peak_memory(sc);
+    CHECK(off.optimizer == 0);
+    CHECK(off.host == Approx(16 * psi / 8));  // fp32 params + m + v + fp32 grads of the shard
+    CHECK(off.total() < on_gpu.total());
+    CHECK(off.params == Approx(on_gpu.params));
+    if (stage == 3) {
+      sc.zero.offload_param = true;
+      const MemoryBreakdown both = peak_memory(sc);
+      CHECK(both.host == Approx(18 * psi / 8));
+      CHECK(both.params == Approx(both.params_gathered));
+    }
+  }
+}
+
+TEST_CASE("activations: per layer x layers of the stage x in-flight micro-batches", "[memory]") {
+  const ModelSpec m = gpt(32, 4096, 32);
+  Scenario sc = scenario(m, 2, 4, 4, 1);
+  sc.parallel.sequence_parallel = true;
+  const double s = 2048, b = 1, h = 4096, a = 32;
+  const double per_layer = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::none);
+  // Middle stages carry no embedding / head extras: exactly 8 layers x (4 - stage) micro-batches.
+  CHECK(stage_memory(sc, 1).activations == Approx(per_layer * 8 * 3));
+  CHECK(stage_memory(sc, 2).activations == Approx(per_layer * 8 * 2));
+  // Stage 0 adds the embedding dropout mask (s b h / t bytes) per in-flight micro-batch.
+  CHECK(stage_memory(sc, 0).activations == Approx((per_layer * 8 + s * b * h / 4) * 4));
+  // Last stage: one micro-batch, plus the final LayerNorm and output-layer inputs (4 s b h / t).
+  CHECK(stage_memory(sc, 3).activations == Approx(per_layer * 8 + 4 * s * b * h / 4));
+  // ... and the fp32 logits for the loss as its temporary.
+  CHECK(stage_memory(sc, 3).temporaries >= 4 * b * s * 51200 / 4);
+  CHECK(peak_memory(sc).total() == Approx(stage_memory(sc, 0).total()));
+
+  sc.recompute = Recompute::selective;
+  const double sel = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::selective);
+  CHECK(stage_memory(sc, 1).activations == Approx(sel * 8 * 3));
+  sc.recompute = Recompute::full;
+  CHECK(stage_memory(sc, 1).activations == Approx(2 * s * b * h / 4 * 8 * 3));
+  // the layer being recomputed materialises its full activations once
+  CHECK(stage_memory(sc, 1).temporaries >= per_layer - 2 * s * b * h / 4);
+
+  sc.recompute = Recompute::none;
+  sc.parallel.interleave = 2;  // 4 stages x 2 chunks, 4 layers each
+  CHECK(stage_memory(sc, 1).activations == Approx(per_layer * 8 * (2.0 * 2 + 4 + 1) / 2));
+}
+
+TEST_CASE("tensor and pipeline parallel split the parameters", "[memory]") {
+  const ModelSpec m = gpt(32, 4096, 32);
+  const double psi = parameter_count(m);
+  Scenario sc = scenario(m, 1, 4, 4, 0);
+  double sum = 0;
+  for (int st = 0; st < 4; ++st) sum += stage_memory(sc, st).params / 2;
+  // Every stage holds ~1/(tp pp) of the model; the tied embedding copy on the last stage adds V h / t.
+  CHECK(sum == Approx((psi + 51200.0 * 4096) / 4).epsilon(0.01));
+  CHECK(stage_memory(sc, 1).params == Approx(2 * 8 * dense_layer_params(m) / 4));
+  CHECK(stage_memory(sc, 1).comm_buffers > 0);  // p2p buffers
+
+  StageLayers l0 = stage_layers(sc, 0), l3 = stage_layers(sc, 3);
+  CHECK(l0.first == 0);
+  CHECK(l0.count() == 8);
+  CHECK(l3.last == 32);
+  sc.parallel.partition = {6, 10, 10, 6};
+  CHECK(stage_layers(sc, 1).first == 6);
+  CHECK(stage_layers(sc, 1).count() == 10);
+  CHECK(stage_memory(sc, 1).params == Approx(2 * 10 * dense_layer_params(m) / 4));
+}
+
+TEST_CASE("MoE: expert params over ep, expert states over dp / ep", "[memory]") {
+  ModelSpec m = gpt(12, 1024, 16);
+  m.experts = 16;
+  m.moe_every = 2;
+  Scenario sc = scenario(m, 16, 1, 1, 1);
+  sc.parallel.ep = 8;
+  const double h = 1024;
+  const double expert = expert_mlp_params(m);
+  const double dense_part = parameter_count(m) - 6 * 16 * expert;  // all but the experts
+  const double local = dense_part + 6 * 2 * expert;               // 16 / 8 experts per MoE layer
+  const MemoryBreakdown mb = peak_memory(sc);
+  CHECK(mb.params == Approx(2 * local));
+  // stage 1: optimizer states of dense params over dp = 16, of experts over dp / ep = 2
+  CHECK(mb.optimizer == Approx(12 * (dense_part / 16 + 6 * 2 * expert / 2)));
+  CHECK(h > 0);
+}
+
+TEST_CASE("fp32 training: 4-byte params and grads, 8-byte Adam moments", "[memory]") {
+  const ModelSpec m = gpt(12, 1024, 16);
+  const double psi = parameter_count(m);
+  Scenario sc = scenario(m, 4, 1, 1, 0);
+  sc.precision.dtype = Dtype::fp32;
+  const MemoryBreakdown mb = peak_memory(sc);
+  CHECK(mb.params == Approx(4 * psi));
+  CHECK(mb.grads == Approx(4 * psi));
+  CHECK(mb.optimizer == Approx(8 * psi));
+  CHECK(mb.model_states() == Approx(zero_model_state_bytes(psi, 0, 4, 8) + 4 * psi));
+  sc.zero.stage = 2;
+  CHECK(peak_memory(sc).optimizer == Approx(8 * psi / 4));
+  // mixed precision activations are half the fp32 ones (masks aside)
+  Scenario half = scenario(m, 4, 1, 1, 0);
+  CHECK(peak_memory(half).activations < peak_memory(sc).activations);
+}
+
+TEST_CASE("comm buffers: reduce bucket double-buffered with overlap_comm", "[memory]") {
+  const ModelSpec m = gpt(24, 2048, 16);
+  Scenario sc = scenario(m, 8, 1, 1, 2);
+  sc.zero.reduce_bucket_size = 50000000;
+  sc.zero.allgather_bucket_size = 20000000;
+  sc.zero.overlap_comm = true;
+  CHECK(peak_memory(sc).comm_buffers == Approx(2 * 2 * 50e6 + 2 * 20e6));
+  sc.zero.overlap_comm = false;
+  CHECK(peak_memory(sc).comm_buffers == Approx(2 * 50e6 + 2 * 20e6));
+}
