@@ -111,23 +111,18 @@ int micro_batches_of(const Scenario& sc) {
   return std::max(1, sc.parallel.pp);
 }
 
-// Parameter elements resident on one GPU of `stage` before ZeRO sharding, split into the dense part
-// (replicated over dp) and the expert part (replicated over dp / ep) [DS moe].
-struct StageParams {
-  double dense = 0, expert = 0;
-  double largest_module = 0;  // largest single tensor-owning module (what ZeRO-3 gathers at once)
-  double persistent = 0;      // ZeRO-3: tensors under param_persistence_threshold, kept whole
-  double total() const { return dense + expert; }
-};
+}  // namespace
 
-StageParams stage_params(const Scenario& sc, int stage) {
+// Experts are replicated over the expert-data-parallel group dp / ep [DS moe].
+StageParameters stage_parameters(const Scenario& sc, int stage) {
   const ModelSpec& m = sc.model;
   const double h = m.hidden, f = ffn_hidden_of(m), v = m.vocab, s = m.seq_len;
   const double t = std::max(1, sc.parallel.tp);
   const double ep = std::max(1, sc.parallel.ep);
   const int pp = std::max(1, sc.parallel.pp);
   const double threshold = sc.zero.param_persistence_threshold;
-  StageParams p;
+  stage = std::clamp(stage, 0, pp - 1);
+  StageParameters p;
   auto module = [&](double elems) { p.largest_module = std::max(p.largest_module, elems); };
   auto small = [&](double elems) { if (elems < threshold) p.persistent += elems; };
 
@@ -172,8 +167,6 @@ StageParams stage_params(const Scenario& sc, int stage) {
   return p;
 }
 
-}  // namespace
-
 MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   const ModelSpec& m = sc.model;
   const ParallelSpec& par = sc.parallel;
@@ -191,7 +184,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   const double kb = mixed ? 12 : 8;
   const int zstage = std::clamp(z.stage, 0, 3);
 
-  const StageParams sp = stage_params(sc, stage);
+  const StageParameters sp = stage_parameters(sc, stage);
   const double psi = sp.total();
   const double shard = sp.dense / dp + sp.expert / expert_dp;  // ZeRO partition of this GPU
   const double opt_elems = zstage >= 1 ? shard : psi;          // optimizer states sharded by stage >= 1

@@ -37,6 +37,16 @@ double in_flight_micro_batches(int pp, int stage, int interleave, int micro_batc
 struct StageLayers { int first = 0, last = 0; int count() const { return last - first; } };
 StageLayers stage_layers(const Scenario& sc, int stage);
 
+// Parameter elements resident on one GPU of pipeline stage `stage` before ZeRO sharding (after the
+// TP split): the dense part is replicated over dp, the expert part (MoE) over dp / ep.
+struct StageParameters {
+  double dense = 0, expert = 0;
+  double largest_module = 0;  // largest single module's elements (what ZeRO-3 gathers at once)
+  double persistent = 0;      // ZeRO-3: elements of tensors under param_persistence_threshold
+  double total() const { return dense + expert; }
+};
+StageParameters stage_parameters(const Scenario& sc, int stage);
+
 struct MemoryBreakdown {
   double params = 0;        // 16-bit (or fp32) compute copy of parameters resident on the GPU
                             // (ZeRO-3: the shard plus the gathered working set, params_gathered)

@@ -262,3 +262,31 @@ TEST_CASE("comm buffers: reduce bucket double-buffered with overlap_comm", "[mem
   sc.zero.overlap_comm = false;
   CHECK(peak_memory(sc).comm_buffers == Approx(2 * 50e6 + 2 * 20e6));
 }
+
+TEST_CASE("stage_parameters add up to the model", "[memory]") {
+  ModelSpec m = gpt(12, 1024, 16);
+  Scenario sc = scenario(m, 4, 1, 1, 0);
+  CHECK(stage_parameters(sc, 0).total() == Approx(parameter_count(m)));
+  m.experts = 8;
+  m.moe_every = 2;
+  sc = scenario(m, 4, 1, 1, 0);
+  CHECK(stage_parameters(sc, 0).total() == Approx(parameter_count(m)));
+  sc.parallel.ep = 4;
+  const StageParameters p = stage_parameters(sc, 0);
+  CHECK(p.expert == Approx(6 * 2 * expert_mlp_params(m)));
+  CHECK(p.dense + 4 * p.expert == Approx(parameter_count(m)));
+  CHECK(p.largest_module == Approx(51200.0 * 1024));  // the word embedding
+  // untied embeddings: the output layer is a second V x h matrix
+  m.tied_embeddings = false;
+  sc.model = m;
+  CHECK(stage_parameters(sc, 0).dense == Approx(p.dense + 51200.0 * 1024));
+}
+
+TEST_CASE("1-bit Adam keeps fp32 error-feedback buffers", "[memory]") {
+  const ModelSpec m = gpt(12, 1024, 16);
+  const double psi = parameter_count(m);
+  Scenario sc = scenario(m, 8, 1, 1, 0);
+  const double adam = peak_memory(sc).optimizer;
+  sc.optimizer.kind = OptimizerKind::onebit_adam;
+  CHECK(peak_memory(sc).optimizer - adam == Approx(4 * psi + 4 * psi / 8));
+}
