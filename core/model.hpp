@@ -25,6 +25,8 @@ double head_forward_flops_per_sequence(const ModelSpec& m);
 double model_flops_per_iteration(const ModelSpec& m, double global_batch);
 // Hardware FLOPs: what the GPUs execute, recompute included (full recompute: one more forward,
 // Megatron's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); selective: the attention core again).
+// MoE layers: model FLOPs count top_k experts per token; hardware FLOPs the capacity-padded
+// top_k * capacity_factor expert slots DeepSpeed computes.
 double hardware_flops_per_iteration(const ModelSpec& m, double global_batch, Recompute r);
 
 // One kernel-level op of a layer's forward pass on one GPU.
@@ -51,8 +53,13 @@ struct LayerShape {
   int ep = 1;
 };
 
-// Forward ops of one transformer layer on one GPU (the layer's TP shard). Backward costs twice the
-// GEMM FLOPs of forward and is derived by the callers (backward_flops()).
+// Forward ops of one transformer layer on one GPU (the layer's TP shard), in execution order:
+// layernorm_1, qkv, attention_scores*, softmax*, attention_dropout*, attention_over_v*,
+// attention_proj, dropout_residual_1, layernorm_2, mlp_up, gelu, mlp_down, dropout_residual_2
+// (* = attention_core). A MoE layer (shape.moe) replaces the MLP by moe_gate, moe_gate_softmax,
+// moe_dispatch, mlp_up and mlp_down batched over the ep-local experts (the GPU's b s / t tokens x
+// top_k x capacity_factor, DeepSpeed drops TP-duplicate tokens), gelu, moe_combine. The all-to-alls
+// and TP collectives are not ops: the schedule places them. Backward: backward_cost().
 std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& shape);
 // Forward ops of the embedding (first stage) and of the LM head + loss (last stage).
 std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape);
