@@ -213,9 +213,9 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     mb.grads = z.offload_optimizer ? 0 : gb * shard;
 
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
-  // of the shard = 16 bytes per element for mixed precision.
+  // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
   if (z.offload_optimizer) {
-    mb.host += (kb + 4) * opt_elems;
+    mb.host += 16 * opt_elems;
   } else {
     mb.optimizer = kb * opt_elems;
     // 1-bit Adam [DS onebit/adam.py]: fp32 worker error (whole flat buffer) and server error

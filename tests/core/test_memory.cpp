@@ -290,3 +290,16 @@ TEST_CASE("1-bit Adam keeps fp32 error-feedback buffers", "[memory]") {
   sc.optimizer.kind = OptimizerKind::onebit_adam;
   CHECK(peak_memory(sc).optimizer - adam == Approx(4 * psi + 4 * psi / 8));
 }
+
+TEST_CASE("fp32 training with optimizer offload: 16 bytes per shard element on the host", "[memory]") {
+  const ModelSpec m = gpt(12, 1024, 16);
+  const double psi = parameter_count(m);
+  Scenario sc = scenario(m, 4, 1, 1, 2);
+  sc.precision.dtype = Dtype::fp32;
+  sc.zero.offload_optimizer = true;
+  const MemoryBreakdown mb = peak_memory(sc);
+  CHECK(mb.host == Approx(16 * psi / 4));
+  CHECK(mb.optimizer == 0);
+  CHECK(mb.grads == 0);
+  CHECK(mb.params == Approx(4 * psi));
+}
