@@ -80,6 +80,7 @@ struct OptimizerSpec {
   int64_t freeze_step = 0;           // 1-bit Adam: warm-up steps with full-precision Adam
   int64_t step = 0;                  // which training step to report (1-bit Adam compresses after freeze_step)
 };
+const char* to_string(OptimizerKind);
 
 enum class Recompute { none, selective, full };
 const char* to_string(Recompute);

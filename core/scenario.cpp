@@ -1,0 +1,31 @@
+#include "core/scenario.hpp"
+
+namespace dssim {
+
+const char* to_string(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return "fp32";
+    case Dtype::fp16: return "fp16";
+    case Dtype::bf16: return "bf16";
+  }
+  return "?";
+}
+
+const char* to_string(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
+  }
+  return "?";
+}
+
+const char* to_string(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::adamw: return "adamw";
+    case OptimizerKind::onebit_adam: return "onebit_adam";
+  }
+  return "?";
+}
+
+}  // namespace dssim
