@@ -17,7 +17,7 @@ double DeviceModel::gemm_efficiency(double flops) const {
 
 double DeviceModel::kernel_seconds(const LayerOp& op) const {
   const GpuSpec& g = cluster_.gpu;
-  if (op.attention_core && !op.gemm && op.flops == 0) {
+  if (op.attention_core && !op.gemm) {
     // softmax / dropout of the attention core are fused into the flash-attention kernel
     return 0.0;
   }
