@@ -1,0 +1,928 @@
+// Program builder: turns a Scenario into per-rank instruction streams.
+//
+// Structure: everything that is the same for all ranks of a pipeline stage (layer range, compute
+// segments and their kernel lists, ZeRO partitions and buckets, the ordered list of pipeline
+// actions) is planned once per stage (StagePlan); each rank then walks its stage's action list and
+// appends instructions, filling in its own groups and peers (RankEmitter).
+//
+// Deadlock freedom. Every stream runs in order and every wait points at an earlier instruction, so
+// a rank's Program is a relaxation of one sequential order (the order instructions are appended).
+// That sequential order is deadlock-free across ranks:
+//  - interleave = 1: it is DeepSpeed's TrainSchedule, whose steps can be separated by barriers;
+//  - interleave > 1: Megatron's interleaved order for compute, and the p2p instructions of every
+//    rank sorted by one global key (the sender's finish time in a unit-cost run of the schedule,
+//    ties broken by sender virtual stage, micro-batch, direction), so the pending pair with the
+//    smallest key can always proceed;
+//  - data-parallel, tensor-parallel, expert and embedding collectives run among ranks of one stage
+//    (or first/last stage at the end), which have identical streams.
+#include "core/program_builder.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "core/grid.hpp"
+#include "core/schedule.hpp"
+#include "core/zero_partition.hpp"
+
+namespace dssim {
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+// Mixed-precision Adam on one parameter: ~16 FLOPs; HBM/host traffic: read fp32 param + 2 moments
+// (12 bytes) and the gradient, write them back and the 16-bit copy.
+constexpr double kAdamFlopsPerParam = 16;
+double adam_bytes_per_param(int g) { return 12 + 12 + 2.0 * g; }
+
+struct Tensor {
+  int64_t numel;
+  int layer;    // global layer it belongs to (embedding -> first layer, head -> last layer)
+  bool expert;  // MoE expert weights: reduced in the expert-data-parallel group
+};
+
+// A contiguous run of layers computed by one Forward / Backward instruction.
+struct Segment {
+  int layer_begin = 0, layer_count = 0;
+  bool embedding = false, head = false;
+  int dense_layers = 0, moe_layers = 0;
+  int ops = -1;
+  OpsCost fwd, bwd, rec;
+};
+
+struct Chunk {
+  int vs = 0;  // virtual stage: chunk * pp + stage
+  int layer_begin = 0, layer_count = 0;
+  bool first = false, last = false;  // holds the embedding / the head
+  std::vector<Segment> fwd;          // forward segments (stage 3: one per layer)
+  std::vector<Segment> bwd_whole;    // backward segments when no bucket needs an earlier start
+  std::vector<Segment> bwd_split;    // backward segments split where gradient buckets close
+};
+
+// One reduction bucket, closed by the backward of `layer` (the lowest model-order layer it holds).
+struct BucketRef {
+  int bucket;
+  bool expert;
+  int chunk, layer;
+};
+
+enum class Act : uint8_t { RecvAct, SendAct, RecvGrad, SendGrad, Fwd, Bwd };
+struct Action {
+  Act act;
+  int chunk, mb;
+};
+
+struct StagePlan {
+  int stage = 0;
+  std::vector<Chunk> chunks;
+  ZeroPartition dense, expert;
+  bool has_expert = false;
+  std::vector<BucketRef> buckets;  // reduction order
+  // Stage 3: gather groups per global layer (index into dense/expert.stage3_groups, -1 none).
+  std::map<int, int> s3_dense, s3_expert;
+  std::vector<Action> actions;
+};
+
+struct OpListCache {
+  std::map<std::string, int> index;
+  std::vector<OpsCost> fwd, bwd, rec;
+};
+
+int micro_batches_of(const Scenario& sc) {
+  if (sc.training.grad_accum > 0) return sc.training.grad_accum;
+  const int64_t per_step = int64_t(std::max(1, sc.training.micro_batch)) * sc.parallel.dp;
+  if (sc.training.global_batch > 0 && sc.training.global_batch % per_step == 0)
+    return int(sc.training.global_batch / per_step);
+  throw std::invalid_argument("build_program: gradient accumulation steps unknown (set grad_accum)");
+}
+
+// Layers of each virtual stage (chunk * pp + stage), in virtual-stage order.
+std::vector<int> virtual_stage_layers(const Scenario& sc) {
+  const int pp = sc.parallel.pp, v = std::max(1, sc.parallel.interleave);
+  const int n = pp * v;
+  const auto& part = sc.parallel.partition;
+  std::vector<int> layers(n, 0);
+  if (part.empty()) {
+    const int L = sc.model.layers;
+    for (int i = 0; i < n; ++i) layers[i] = L / n + (i < L % n ? 1 : 0);
+  } else if (int(part.size()) == n) {
+    layers = part;
+  } else if (int(part.size()) == pp) {
+    for (int s = 0; s < pp; ++s)
+      for (int c = 0; c < v; ++c) layers[c * pp + s] = part[s] / v + (c < part[s] % v ? 1 : 0);
+  } else {
+    throw std::invalid_argument("parallel.partition: needs pp (or pp * interleave) entries, got " +
+                                std::to_string(part.size()));
+  }
+  int total = 0;
+  for (int x : layers) {
+    if (x < 1) throw std::invalid_argument("build_program: every pipeline stage (chunk) needs >= 1 layer");
+    total += x;
+  }
+  if (total != sc.model.layers)
+    throw std::invalid_argument("parallel.partition: layers sum to " + std::to_string(total) +
+                                ", model has " + std::to_string(sc.model.layers));
+  return layers;
+}
+
+class Builder {
+ public:
+  Builder(const Scenario& sc, const BuildOptions& opts)
+      : sc_(sc), opts_(opts), grid_(sc.parallel), m_(sc.model) {
+    p_ = sc.parallel.pp;
+    v_ = std::max(1, sc.parallel.interleave);
+    t_ = sc.parallel.tp;
+    M_ = micro_batches_of(sc);
+    b_ = std::max(1, sc.training.micro_batch);
+    g_ = bytes_of(sc.precision.dtype);
+    zero_ = sc.zero.stage;
+    if (zero_ < 0 || zero_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
+    if (m_.layers < 1 || m_.hidden < 1 || m_.seq_len < 1)
+      throw std::invalid_argument("build_program: model needs layers, hidden and seq_len");
+    if (v_ > 1 && M_ % p_ != 0)
+      throw std::invalid_argument("interleaved pipeline schedule: micro-batches (" + std::to_string(M_) +
+                                  ") must be a multiple of the pipeline size (" + std::to_string(p_) + ")");
+    act_bytes_ = double(b_) * m_.seq_len * m_.hidden * g_;
+    p2p_bytes_ = sc.parallel.sequence_parallel ? act_bytes_ / t_ : act_bytes_;
+    a2a_bytes_ = double(b_) * m_.seq_len / t_ * m_.top_k * m_.capacity_factor * m_.hidden * g_;
+    onebit_ = sc.optimizer.kind == OptimizerKind::onebit_adam && zero_ == 0 &&
+              sc.optimizer.step >= sc.optimizer.freeze_step;
+    vs_layers_ = virtual_stage_layers(sc);
+    vs_first_layer_.resize(vs_layers_.size() + 1, 0);
+    for (size_t i = 0; i < vs_layers_.size(); ++i) vs_first_layer_[i + 1] = vs_first_layer_[i] + vs_layers_[i];
+  }
+
+  Program build() {
+    Program prog;
+    prog.world = grid_.world();
+    prog.representative_only = opts_.representative_only;
+    group_ids_.assign(7, {});
+    for (int k = 0; k < 7; ++k) group_ids_[k].assign(grid_.group_count(GroupKind(k)), -1);
+    plans_.resize(p_);
+    for (int s = 0; s < p_; ++s) plan_stage(s, prog);
+    std::vector<int> ranks;
+    if (opts_.representative_only) {
+      for (int s = 0; s < p_; ++s) ranks.push_back(grid_.rank_of(0, s, 0));
+    } else {
+      for (int r = 0; r < grid_.world(); ++r) ranks.push_back(r);
+    }
+    prog.ranks.resize(ranks.size());
+    std::vector<size_t> reserve(p_, 0);
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const int stage = grid_.coord(ranks[i]).pp;
+      RankProgram& rp = prog.ranks[i];
+      rp.rank = ranks[i];
+      rp.instructions.reserve(reserve[stage]);
+      emit_rank(prog, rp);
+      reserve[stage] = std::max(reserve[stage], rp.instructions.size());
+    }
+    return prog;
+  }
+
+ private:
+  // ---- planning (per stage) ----
+
+  std::vector<Tensor> layer_tensors(int layer) const {
+    const int64_t h = m_.hidden, f = ffn_hidden_of(m_), t = t_;
+    std::vector<Tensor> ts = {
+        {h, layer, false}, {h, layer, false},                     // layernorm_1
+        {3 * h * h / t, layer, false}, {3 * h / t, layer, false},  // qkv
+        {h * h / t, layer, false}, {h, layer, false},              // attention projection
+        {h, layer, false}, {h, layer, false},                      // layernorm_2
+    };
+    if (is_moe_layer(m_, layer)) {
+      ts.push_back({h * m_.experts, layer, false});  // gate (replicated)
+      const int local = std::max(1, m_.experts / std::max(1, sc_.parallel.ep));
+      for (int e = 0; e < local; ++e) {  // experts are not TP-split (model.cpp)
+        ts.push_back({f * h, layer, true});
+        ts.push_back({f, layer, true});
+        ts.push_back({h * f, layer, true});
+        ts.push_back({h, layer, true});
+      }
+    } else {
+      ts.push_back({f * h / t, layer, false});
+      ts.push_back({f / t, layer, false});
+      ts.push_back({h * f / t, layer, false});
+      ts.push_back({h, layer, false});
+    }
+    return ts;
+  }
+
+  int op_list(Program& prog, const Segment& seg) {
+    std::string key;
+    key += seg.embedding ? 'E' : '-';
+    for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
+      key += is_moe_layer(m_, l) ? 'M' : 'D';
+    key += seg.head ? 'H' : '-';
+    auto it = cache_.index.find(key);
+    if (it != cache_.index.end()) return it->second;
+    LayerShape shape;
+    shape.micro_batch = b_;
+    shape.tp = t_;
+    shape.sequence_parallel = sc_.parallel.sequence_parallel;
+    shape.dtype = sc_.precision.dtype;
+    shape.ep = sc_.parallel.ep;
+    std::vector<LayerOp> ops;
+    if (seg.embedding) {
+      auto e = embedding_forward_ops(m_, shape);
+      ops.insert(ops.end(), e.begin(), e.end());
+    }
+    for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l) {
+      shape.moe = is_moe_layer(m_, l);
+      auto e = layer_forward_ops(m_, shape);
+      ops.insert(ops.end(), e.begin(), e.end());
+    }
+    if (seg.head) {
+      shape.moe = false;
+      auto e = head_forward_ops(m_, shape);
+      ops.insert(ops.end(), e.begin(), e.end());
+    }
+    const int id = int(prog.op_lists.size());
+    cache_.fwd.push_back(sum_cost(ops));
+    cache_.bwd.push_back(backward_cost(ops));
+    cache_.rec.push_back(recompute_cost(ops, sc_.recompute));
+    prog.op_lists.push_back(std::move(ops));
+    cache_.index.emplace(key, id);
+    return id;
+  }
+
+  // Splits a chunk's layers before every layer in `cuts` (global layer indices).
+  std::vector<Segment> segments(Program& prog, const Chunk& c, std::vector<int> cuts) {
+    cuts.push_back(c.layer_begin);
+    cuts.push_back(c.layer_begin + c.layer_count);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    std::vector<Segment> segs;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      if (cuts[i] < c.layer_begin || cuts[i + 1] > c.layer_begin + c.layer_count) continue;
+      Segment s;
+      s.layer_begin = cuts[i];
+      s.layer_count = cuts[i + 1] - cuts[i];
+      s.embedding = c.first && s.layer_begin == c.layer_begin;
+      s.head = c.last && s.layer_begin + s.layer_count == c.layer_begin + c.layer_count;
+      for (int l = s.layer_begin; l < s.layer_begin + s.layer_count; ++l)
+        (is_moe_layer(m_, l) ? s.moe_layers : s.dense_layers)++;
+      s.ops = op_list(prog, s);
+      s.fwd = cache_.fwd[s.ops];
+      s.bwd = cache_.bwd[s.ops];
+      s.rec = cache_.rec[s.ops];
+      segs.push_back(s);
+    }
+    return segs;
+  }
+
+  void plan_stage(int s, Program& prog) {
+    StagePlan& plan = plans_[s];
+    plan.stage = s;
+    const int last_vs = p_ * v_ - 1;
+    std::vector<Tensor> tensors;
+    for (int c = 0; c < v_; ++c) {
+      Chunk ch;
+      ch.vs = c * p_ + s;
+      ch.layer_begin = vs_first_layer_[ch.vs];
+      ch.layer_count = vs_layers_[ch.vs];
+      ch.first = ch.vs == 0;
+      ch.last = ch.vs == last_vs;
+      const int64_t h = m_.hidden;
+      if (ch.first) {
+        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false});
+        tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false});
+      }
+      for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) {
+        auto lt = layer_tensors(l);
+        tensors.insert(tensors.end(), lt.begin(), lt.end());
+      }
+      if (ch.last) {
+        const int ll = ch.layer_begin + ch.layer_count - 1;
+        tensors.push_back({h, ll, false});
+        tensors.push_back({h, ll, false});
+        if (!m_.tied_embeddings || (p_ > 1 && !ch.first))  // output layer or the tied copy
+          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false});
+      }
+      plan.chunks.push_back(ch);
+    }
+    // ZeRO partitions, dense (DP group) and expert (expert-DP group).
+    ZeroPartitionSpec dspec, espec;
+    for (const Tensor& t : tensors) {
+      ZeroPartitionSpec& sp = t.expert ? espec : dspec;
+      sp.numel.push_back(t.numel);
+      sp.layer.push_back(t.layer);
+    }
+    // Stage 0 (and 1-bit) all-reduces the whole unpadded buffer: partition over one rank.
+    const int dp = sc_.parallel.dp, edp = dp / std::max(1, sc_.parallel.ep);
+    dspec.dp = zero_ == 0 ? 1 : dp;
+    espec.dp = zero_ == 0 ? 1 : edp;
+    for (ZeroPartitionSpec* sp : {&dspec, &espec}) {
+      sp->alignment = zero_ == 0 ? 1 : 2;
+      sp->reduce_bucket_size = std::max<int64_t>(1, sc_.zero.reduce_bucket_size);
+      sp->allgather_bucket_size = std::max<int64_t>(1, sc_.zero.allgather_bucket_size);
+    }
+    plan.dense = make_zero_partition(dspec);
+    plan.has_expert = !espec.numel.empty();
+    if (plan.has_expert) plan.expert = make_zero_partition(espec);
+
+    const auto chunk_of_layer = [&](int layer) {
+      for (int c = 0; c < v_; ++c)
+        if (layer >= plan.chunks[c].layer_begin &&
+            layer < plan.chunks[c].layer_begin + plan.chunks[c].layer_count)
+          return c;
+      return 0;
+    };
+    // Buckets in reduction order: dense and expert interleaved by closing layer (descending).
+    std::vector<BucketRef> refs;
+    const auto add_refs = [&](const ZeroPartition& z, const ZeroPartitionSpec& sp, bool expert) {
+      for (size_t k = 0; k < z.grad_buckets.size(); ++k) {
+        const auto& bk = z.grad_buckets[k];
+        const int layer = sp.layer.empty() ? plan.chunks[0].layer_begin
+                                           : sp.layer[std::clamp(bk.first_tensor, 0, int(sp.layer.size()) - 1)];
+        refs.push_back({int(k), expert, chunk_of_layer(layer), layer});
+      }
+    };
+    add_refs(plan.dense, dspec, false);
+    if (plan.has_expert) add_refs(plan.expert, espec, true);
+    std::stable_sort(refs.begin(), refs.end(), [](const BucketRef& a, const BucketRef& b) {
+      return std::make_tuple(-a.chunk, -a.layer, a.expert) < std::make_tuple(-b.chunk, -b.layer, b.expert);
+    });
+    plan.buckets = refs;
+    for (size_t k = 0; k < plan.dense.stage3_groups.size(); ++k) plan.s3_dense[plan.dense.stage3_groups[k].layer] = int(k);
+    if (plan.has_expert)
+      for (size_t k = 0; k < plan.expert.stage3_groups.size(); ++k)
+        plan.s3_expert[plan.expert.stage3_groups[k].layer] = int(k);
+
+    // Segments.
+    for (int c = 0; c < v_; ++c) {
+      Chunk& ch = plan.chunks[c];
+      std::vector<int> per_layer;
+      for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) per_layer.push_back(l);
+      if (zero_ == 3) {
+        ch.fwd = segments(prog, ch, per_layer);
+        ch.bwd_whole = ch.fwd;
+        ch.bwd_split = ch.fwd;
+      } else {
+        ch.fwd = segments(prog, ch, {});
+        ch.bwd_whole = ch.fwd;
+        std::vector<int> cuts;
+        for (const BucketRef& r : plan.buckets)
+          if (r.chunk == c) cuts.push_back(r.layer);
+        ch.bwd_split = segments(prog, ch, cuts);
+      }
+    }
+    plan.actions = v_ == 1 ? deepspeed_actions(s) : interleaved_actions(s);
+  }
+
+  std::vector<Action> deepspeed_actions(int s) const {
+    std::vector<Action> acts;
+    const TrainSchedule sched(M_, p_, s);
+    for (int i = 0; i < sched.total_steps(); ++i) {
+      for (const PipeInstruction& pi : sched.step(i)) {
+        switch (pi.cmd) {
+          case PipeCmd::RecvActivation: acts.push_back({Act::RecvAct, 0, pi.micro_batch}); break;
+          case PipeCmd::SendActivation: acts.push_back({Act::SendAct, 0, pi.micro_batch}); break;
+          case PipeCmd::RecvGrad: acts.push_back({Act::RecvGrad, 0, pi.micro_batch}); break;
+          case PipeCmd::SendGrad: acts.push_back({Act::SendGrad, 0, pi.micro_batch}); break;
+          case PipeCmd::ForwardPass: acts.push_back({Act::Fwd, 0, pi.micro_batch}); break;
+          case PipeCmd::BackwardPass: acts.push_back({Act::Bwd, 0, pi.micro_batch}); break;
+          default: break;  // loads are implicit; the batch end is emitted after the actions
+        }
+      }
+    }
+    return acts;
+  }
+
+  // Megatron's interleaved compute order, p2p placed by a unit-cost run of the whole pipeline.
+  std::vector<Action> interleaved_actions(int s) {
+    if (interleaved_actions_.empty()) run_interleaved_unit_schedule();
+    return interleaved_actions_[s];
+  }
+
+  void run_interleaved_unit_schedule() {
+    const int V = p_ * v_;
+    std::vector<std::vector<PipeStep>> order(p_);
+    for (int s = 0; s < p_; ++s) order[s] = interleaved_1f1b(M_, p_, s, v_);
+    // start/end of F and B per (virtual stage, micro-batch)
+    std::vector<int64_t> f_end(V * M_, -1), b_end(V * M_, -1), f_start(V * M_, -1), b_start(V * M_, -1);
+    std::vector<size_t> next(p_, 0);
+    std::vector<int64_t> free_at(p_, 0);
+    size_t remaining = 0;
+    for (auto& o : order) remaining += o.size();
+    while (remaining > 0) {
+      bool progress = false;
+      for (int s = 0; s < p_; ++s) {
+        while (next[s] < order[s].size()) {
+          const PipeStep& st = order[s][next[s]];
+          const int vs = st.chunk * p_ + s;
+          int64_t dep = 0;
+          if (st.forward) {
+            if (vs > 0) dep = f_end[(vs - 1) * M_ + st.micro_batch];
+          } else {
+            dep = vs == V - 1 ? f_end[vs * M_ + st.micro_batch] : b_end[(vs + 1) * M_ + st.micro_batch];
+          }
+          if (dep < 0) break;
+          const int64_t start = std::max(free_at[s], dep);
+          const int64_t end = start + (st.forward ? 1 : 2);
+          (st.forward ? f_start : b_start)[vs * M_ + st.micro_batch] = start;
+          (st.forward ? f_end : b_end)[vs * M_ + st.micro_batch] = end;
+          free_at[s] = end;
+          ++next[s];
+          --remaining;
+          progress = true;
+        }
+      }
+      if (!progress) throw std::logic_error("interleaved schedule: dependency cycle");
+    }
+    // Events per stage: (time, class, key...) -> action. Class 0 = p2p (keyed by the sender's
+    // finish time and identity, identical on both sides), class 1 = compute.
+    using Key = std::tuple<int64_t, int, int, int, int>;
+    interleaved_actions_.assign(p_, {});
+    for (int s = 0; s < p_; ++s) {
+      std::vector<std::pair<Key, Action>> ev;
+      for (const PipeStep& st : order[s]) {
+        const int vs = st.chunk * p_ + s;
+        const int mb = st.micro_batch;
+        if (st.forward) {
+          ev.push_back({{f_start[vs * M_ + mb], 1, 0, 0, 0}, {Act::Fwd, st.chunk, mb}});
+          if (p_ > 1 && vs > 0)
+            ev.push_back({{f_end[(vs - 1) * M_ + mb], 0, vs - 1, mb, 0}, {Act::RecvAct, st.chunk, mb}});
+          if (p_ > 1 && vs < V - 1)
+            ev.push_back({{f_end[vs * M_ + mb], 0, vs, mb, 0}, {Act::SendAct, st.chunk, mb}});
+        } else {
+          ev.push_back({{b_start[vs * M_ + mb], 1, 0, 0, 0}, {Act::Bwd, st.chunk, mb}});
+          if (p_ > 1 && vs < V - 1)
+            ev.push_back({{b_end[(vs + 1) * M_ + mb], 0, vs + 1, mb, 1}, {Act::RecvGrad, st.chunk, mb}});
+          if (p_ > 1 && vs > 0)
+            ev.push_back({{b_end[vs * M_ + mb], 0, vs, mb, 1}, {Act::SendGrad, st.chunk, mb}});
+        }
+      }
+      std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
+    }
+  }
+
+  // ---- emission (per rank) ----
+
+  int group_id(Program& prog, GroupKind kind, int rank) {
+    const int gi = grid_.group_index(kind, rank);
+    if (gi < 0) return -1;
+    int& id = group_ids_[int(kind)][gi];
+    if (id < 0) {
+      id = int(prog.groups.size());
+      prog.groups.push_back({kind, grid_.group_of(kind, rank)});
+    }
+    return id;
+  }
+
+  struct RankCtx {
+    RankProgram* rp = nullptr;
+    const StagePlan* plan = nullptr;
+    RankCoord c;
+    int tp_g = -1, dp_g = -1, ep_g = -1, edp_g = -1, emb_g = -1;
+    int dp_n = 1, edp_n = 1;
+    std::vector<uint32_t> deps;
+    uint32_t last_compute = kNone;
+    uint32_t last_reduce = kNone;   // last DP reduction (stream DpComm or Compute)
+    uint32_t last_d2h = kNone;
+    std::vector<uint32_t> recv_act, recv_grad, fwd_out, bwd_out;  // [chunk * M + mb]
+    // stage 3: per compute segment in program order, the AG instructions it waits for
+    std::vector<std::pair<uint32_t, uint32_t>> ag;  // (dense, expert)
+    size_t ag_emitted = 0;
+    size_t seg_cursor = 0;
+  };
+
+  struct SegRef {
+    bool forward;
+    int chunk;
+    int seg;
+  };
+
+  uint32_t add(RankCtx& x, Instruction in, std::initializer_list<uint32_t> waits) {
+    x.deps.clear();
+    for (uint32_t w : waits)
+      if (w != kNone) x.deps.push_back(w);
+    const uint32_t id = x.rp->add(in, x.deps);
+    if (in.stream == Stream::Compute) x.last_compute = id;
+    return id;
+  }
+
+  static Instruction make(Op op, Stream st, Purpose pu, int mb = -1, int chunk = -1) {
+    Instruction in{};
+    in.op = op;
+    in.stream = st;
+    in.purpose = pu;
+    in.micro_batch = mb;
+    in.chunk = chunk;
+    return in;
+  }
+
+  void emit_rank(Program& prog, RankProgram& rp) {
+    RankCtx x;
+    x.rp = &rp;
+    x.c = grid_.coord(rp.rank);
+    x.plan = &plans_[x.c.pp];
+    const StagePlan& plan = *x.plan;
+    x.tp_g = t_ > 1 ? group_id(prog, GroupKind::TP, rp.rank) : -1;
+    x.dp_n = sc_.parallel.dp;
+    x.edp_n = sc_.parallel.dp / std::max(1, sc_.parallel.ep);
+    x.dp_g = x.dp_n > 1 ? group_id(prog, GroupKind::DP, rp.rank) : -1;
+    x.edp_g = (plan.has_expert && x.edp_n > 1) ? group_id(prog, GroupKind::ExpertDP, rp.rank) : -1;
+    x.ep_g = (m_.is_moe() && sc_.parallel.ep > 1) ? group_id(prog, GroupKind::EP, rp.rank) : -1;
+    const bool emb_member = p_ > 1 && m_.tied_embeddings && (x.c.pp == 0 || x.c.pp == p_ - 1);
+    x.emb_g = emb_member ? group_id(prog, GroupKind::Embedding, rp.rank) : -1;
+    x.recv_act.assign(v_ * M_, kNone);
+    x.recv_grad.assign(v_ * M_, kNone);
+    x.fwd_out.assign(v_ * M_, kNone);
+    x.bwd_out.assign(v_ * M_, kNone);
+
+    // Stage 3: the compute segments in program order (for the prefetching gathers).
+    std::vector<SegRef> segs;
+    if (zero_ == 3) {
+      for (const Action& a : plan.actions) {
+        if (a.act == Act::Fwd)
+          for (int k = 0; k < int(plan.chunks[a.chunk].fwd.size()); ++k) segs.push_back({true, a.chunk, k});
+        if (a.act == Act::Bwd)
+          for (int k = int(plan.chunks[a.chunk].bwd_whole.size()) - 1; k >= 0; --k)
+            segs.push_back({false, a.chunk, k});
+      }
+      x.ag.assign(segs.size(), {kNone, kNone});
+    }
+
+    for (const Action& a : plan.actions) {
+      const Chunk& ch = plan.chunks[a.chunk];
+      const int slot = a.chunk * M_ + a.mb;
+      switch (a.act) {
+        case Act::RecvAct: {
+          Instruction in = make(Op::Recv, Stream::PpComm, Purpose::PipelineActivation, a.mb, a.chunk);
+          in.peer = peer_of(x.c, ch.vs - 1);
+          in.tag = tag_of(ch.vs - 1, a.mb, 0);
+          in.bytes = p2p_bytes_;
+          x.recv_act[slot] = add(x, in, {});
+          break;
+        }
+        case Act::SendAct: {
+          Instruction in = make(Op::Send, Stream::PpComm, Purpose::PipelineActivation, a.mb, a.chunk);
+          in.peer = peer_of(x.c, ch.vs + 1);
+          in.tag = tag_of(ch.vs, a.mb, 0);
+          in.bytes = p2p_bytes_;
+          add(x, in, {x.fwd_out[slot]});
+          break;
+        }
+        case Act::RecvGrad: {
+          Instruction in = make(Op::Recv, Stream::PpComm, Purpose::PipelineGradient, a.mb, a.chunk);
+          in.peer = peer_of(x.c, ch.vs + 1);
+          in.tag = tag_of(ch.vs + 1, a.mb, 1);
+          in.bytes = p2p_bytes_;
+          x.recv_grad[slot] = add(x, in, {});
+          break;
+        }
+        case Act::SendGrad: {
+          Instruction in = make(Op::Send, Stream::PpComm, Purpose::PipelineGradient, a.mb, a.chunk);
+          in.peer = peer_of(x.c, ch.vs - 1);
+          in.tag = tag_of(ch.vs, a.mb, 1);
+          in.bytes = p2p_bytes_;
+          add(x, in, {x.bwd_out[slot]});
+          break;
+        }
+        case Act::Fwd: emit_forward(prog, x, segs, a); break;
+        case Act::Bwd: emit_backward(prog, x, segs, a); break;
+      }
+    }
+    emit_batch_end(x);
+  }
+
+  int peer_of(const RankCoord& c, int vs) const { return grid_.rank_of(c.dp, vs % p_, c.tp); }
+  int tag_of(int sender_vs, int mb, int dir) const { return (mb * (p_ * v_) + sender_vs) * 2 + dir; }
+
+  // Stage 3: issue the gathers of segments up to `k` plus the prefetch window.
+  void issue_gathers(RankCtx& x, const std::vector<SegRef>& segs, size_t k) {
+    const StagePlan& plan = *x.plan;
+    const auto seg_layers = [&](size_t i) {
+      const SegRef& r = segs[i];
+      const Chunk& ch = plan.chunks[r.chunk];
+      const Segment& s = r.forward ? ch.fwd[r.seg] : ch.bwd_whole[r.seg];
+      return std::make_pair(s.layer_begin, s.layer_count);
+    };
+    const auto seg_elems = [&](size_t i) {
+      int64_t n = 0;
+      auto [lb, lc] = seg_layers(i);
+      for (int l = lb; l < lb + lc; ++l) {
+        auto it = plan.s3_dense.find(l);
+        if (it != plan.s3_dense.end()) n += plan.dense.stage3_groups[it->second].numel;
+        auto jt = plan.s3_expert.find(l);
+        if (jt != plan.s3_expert.end()) n += plan.expert.stage3_groups[jt->second].numel;
+      }
+      return n;
+    };
+    int64_t window = 0;
+    for (size_t j = k + 1; j < x.ag_emitted && j < segs.size(); ++j) window += seg_elems(j);
+    while (x.ag_emitted < segs.size()) {
+      const size_t j = x.ag_emitted;
+      if (j > k) {
+        // DeepSpeed keeps prefetching while less than prefetch_bucket_size elements are in flight.
+        if (j > k + 1 && window + seg_elems(j) > sc_.zero.prefetch_bucket_size) break;
+        window += seg_elems(j);
+      }
+      auto [lb, lc] = seg_layers(j);
+      const SegRef& r = segs[j];
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool expert = pass == 1;
+        const auto& idx = expert ? plan.s3_expert : plan.s3_dense;
+        const ZeroPartition& z = expert ? plan.expert : plan.dense;
+        const int grp = expert ? x.edp_g : x.dp_g;
+        uint32_t last = kNone;
+        for (int l = lb; l < lb + lc; ++l) {
+          auto it = idx.find(l);
+          if (it == idx.end()) continue;
+          const Stage3Group& sg = z.stage3_groups[it->second];
+          uint32_t fetch = kNone;
+          if (sc_.zero.offload_param) {
+            Instruction h = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam, -1, r.chunk);
+            h.layer_begin = l;
+            h.layer_count = 1;
+            h.bytes = double(sg.shard_numel) * g_;
+            fetch = add(x, h, {});
+            last = fetch;
+          }
+          if (grp >= 0) {
+            Instruction in = make(Op::AllGather, Stream::DpComm, Purpose::ParamGather, -1, r.chunk);
+            in.layer_begin = l;
+            in.layer_count = 1;
+            in.group = grp;
+            in.bucket = it->second;
+            in.bytes = double(sg.padded_numel()) * g_;
+            last = add(x, in, {fetch});
+          }
+        }
+        (expert ? x.ag[j].second : x.ag[j].first) = last;
+      }
+      ++x.ag_emitted;
+    }
+  }
+
+  void emit_tp(RankCtx& x, const Segment& s, int mb, int chunk) {
+    const int layers = s.dense_layers + s.moe_layers;
+    if (x.tp_g < 0 || layers == 0) return;
+    if (sc_.parallel.sequence_parallel) {
+      for (Op op : {Op::AllGather, Op::ReduceScatter}) {
+        Instruction in = make(op, Stream::Compute, Purpose::TensorParallel, mb, chunk);
+        in.group = x.tp_g;
+        in.layer_begin = s.layer_begin;
+        in.layer_count = s.layer_count;
+        in.repeat = 2 * layers;
+        in.bytes = act_bytes_;
+        add(x, in, {});
+      }
+    } else {
+      Instruction in = make(Op::AllReduce, Stream::Compute, Purpose::TensorParallel, mb, chunk);
+      in.group = x.tp_g;
+      in.layer_begin = s.layer_begin;
+      in.layer_count = s.layer_count;
+      in.repeat = 2 * layers;
+      in.bytes = act_bytes_;
+      add(x, in, {});
+    }
+  }
+
+  void emit_moe(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
+    if (x.ep_g < 0 || s.moe_layers == 0) return;
+    for (int k = 0; k < 2; ++k) {
+      const bool dispatch = backward ? k == 1 : k == 0;
+      Instruction in = make(Op::AllToAll, Stream::Compute,
+                            dispatch ? Purpose::MoEDispatch : Purpose::MoECombine, mb, chunk);
+      in.group = x.ep_g;
+      in.layer_begin = s.layer_begin;
+      in.layer_count = s.layer_count;
+      in.repeat = s.moe_layers;
+      in.bytes = a2a_bytes_;
+      add(x, in, {});
+    }
+  }
+
+  static void set_cost(Instruction& in, const OpsCost& c) {
+    in.flops = c.flops;
+    in.gemm_flops = c.gemm_flops;
+    in.memory_bytes = c.memory_bytes;
+  }
+
+  void emit_forward(Program&, RankCtx& x, const std::vector<SegRef>& segs, const Action& a) {
+    const Chunk& ch = x.plan->chunks[a.chunk];
+    const int slot = a.chunk * M_ + a.mb;
+    for (size_t k = 0; k < ch.fwd.size(); ++k) {
+      const Segment& s = ch.fwd[k];
+      uint32_t ag_d = kNone, ag_e = kNone;
+      if (zero_ == 3) {
+        issue_gathers(x, segs, x.seg_cursor);
+        std::tie(ag_d, ag_e) = x.ag[x.seg_cursor];
+        ++x.seg_cursor;
+      }
+      Instruction in = make(Op::Forward, Stream::Compute, Purpose::None, a.mb, a.chunk);
+      in.layer_begin = s.layer_begin;
+      in.layer_count = s.layer_count;
+      in.ops = s.ops;
+      set_cost(in, s.fwd);
+      add(x, in, {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
+      emit_tp(x, s, a.mb, a.chunk);
+      emit_moe(x, s, a.mb, a.chunk, false);
+    }
+    x.fwd_out[slot] = x.last_compute;
+  }
+
+  void emit_backward(Program&, RankCtx& x, const std::vector<SegRef>& segs, const Action& a) {
+    const StagePlan& plan = *x.plan;
+    const Chunk& ch = plan.chunks[a.chunk];
+    const int slot = a.chunk * M_ + a.mb;
+    const bool overlap = sc_.zero.overlap_comm;
+    // Which micro-batches reduce gradients: every one for stage 2 (and 3), the last for 0 / 1.
+    const bool reduce_now = zero_ >= 2 || a.mb == M_ - 1;
+    const bool split = zero_ < 3 && overlap && reduce_now;
+    const std::vector<Segment>& bsegs = split ? ch.bwd_split : ch.bwd_whole;
+    const Stream red_stream = overlap ? Stream::DpComm : Stream::Compute;
+    for (int k = int(bsegs.size()) - 1; k >= 0; --k) {
+      const Segment& s = bsegs[k];
+      const bool first = k == int(bsegs.size()) - 1;
+      uint32_t ag_d = kNone, ag_e = kNone;
+      if (zero_ == 3) {
+        issue_gathers(x, segs, x.seg_cursor);
+        std::tie(ag_d, ag_e) = x.ag[x.seg_cursor];
+        ++x.seg_cursor;
+      }
+      const uint32_t grad_in = first ? x.recv_grad[slot] : kNone;
+      if (sc_.recompute != Recompute::none) {
+        Instruction rc = make(Op::Recompute, Stream::Compute, Purpose::None, a.mb, a.chunk);
+        rc.layer_begin = s.layer_begin;
+        rc.layer_count = s.layer_count;
+        rc.ops = s.ops;
+        set_cost(rc, s.rec);
+        add(x, rc, {grad_in, ag_d, ag_e});
+        if (sc_.recompute == Recompute::full) {  // the recomputed forward repeats its TP / MoE comm
+          emit_tp(x, s, a.mb, a.chunk);
+          emit_moe(x, s, a.mb, a.chunk, false);
+        }
+      }
+      Instruction in = make(Op::Backward, Stream::Compute, Purpose::None, a.mb, a.chunk);
+      in.layer_begin = s.layer_begin;
+      in.layer_count = s.layer_count;
+      in.ops = s.ops;
+      set_cost(in, s.bwd);
+      add(x, in, {grad_in, ag_d, ag_e});
+      emit_tp(x, s, a.mb, a.chunk);
+      emit_moe(x, s, a.mb, a.chunk, true);
+      const uint32_t produced = x.last_compute;
+
+      if (zero_ == 3) {
+        for (int pass = 0; pass < 2; ++pass) {
+          const bool expert = pass == 1;
+          const auto& idx = expert ? plan.s3_expert : plan.s3_dense;
+          const ZeroPartition& z = expert ? plan.expert : plan.dense;
+          for (int l = s.layer_begin + s.layer_count - 1; l >= s.layer_begin; --l) {
+            auto it = idx.find(l);
+            if (it == idx.end()) continue;
+            const Stage3Group& sg = z.stage3_groups[it->second];
+            emit_reduction(x, Op::ReduceScatter, expert, it->second, double(sg.padded_numel()),
+                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream);
+          }
+        }
+      } else if (reduce_now) {
+        // Buckets whose lowest layer is in this segment (whole segments: the chunk's last one).
+        for (const BucketRef& r : plan.buckets) {
+          if (r.chunk != a.chunk || r.layer < s.layer_begin || r.layer >= s.layer_begin + s.layer_count)
+            continue;
+          if (onebit_) continue;  // replaced by the compressed all-reduce at the batch end
+          const ZeroPartition& z = r.expert ? plan.expert : plan.dense;
+          const GradBucket& bk = z.grad_buckets[r.bucket];
+          const int me = r.expert ? x.c.edp : x.c.dp;
+          const double mine = zero_ == 0 ? double(bk.range.count)
+                                         : double(bk.sub_shards[std::min(me, int(bk.sub_shards.size()) - 1)].count);
+          emit_reduction(x, zero_ == 0 ? Op::AllReduce : Op::ReduceScatter, r.expert, r.bucket,
+                         double(bk.range.count), mine, a.mb, a.chunk, r.layer, produced, red_stream);
+        }
+      }
+    }
+    x.bwd_out[slot] = x.last_compute;
+  }
+
+  void emit_reduction(RankCtx& x, Op op, bool expert, int bucket, double elems, double mine_elems,
+                      int mb, int chunk, int layer, uint32_t produced, Stream st) {
+    const int grp = expert ? x.edp_g : x.dp_g;
+    uint32_t id = kNone;
+    if (grp >= 0) {
+      Instruction in = make(op, st, Purpose::GradientReduce, mb, chunk);
+      in.group = grp;
+      in.bucket = bucket;
+      in.layer_begin = layer;
+      in.layer_count = 1;
+      in.bytes = elems * g_;
+      id = add(x, in, {produced});
+      x.last_reduce = id;
+    }
+    if (sc_.zero.offload_optimizer) {
+      Instruction d = make(Op::CopyD2H, Stream::Offload, Purpose::OffloadGradient, mb, chunk);
+      d.bucket = bucket;
+      d.layer_begin = layer;
+      d.layer_count = 1;
+      d.bytes = mine_elems * g_;
+      x.last_d2h = add(x, d, {id != kNone ? id : produced});
+    }
+  }
+
+  void emit_batch_end(RankCtx& x) {
+    const StagePlan& plan = *x.plan;
+    uint32_t emb = kNone;
+    if (x.emb_g >= 0) {  // DeepSpeed ReduceTiedGrads / Megatron's embedding group all-reduce
+      Instruction in = make(Op::AllReduce, Stream::DpComm, Purpose::EmbeddingSync);
+      in.group = x.emb_g;
+      in.bytes = double(m_.vocab) * m_.hidden / t_ * g_;
+      emb = add(x, in, {x.last_compute});
+    }
+    if (onebit_) {
+      // deepspeed/runtime/comm/nccl.py NcclBackend.compressed_allreduce on the flat momentum,
+      // padded to a multiple of 8 * N: all-to-all of packed worker signs, all-gather of worker
+      // scales, all-gather of packed server signs, all-gather of server scales.
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool expert = pass == 1;
+        if (expert && !plan.has_expert) continue;
+        const int grp = expert ? x.edp_g : x.dp_g;
+        const int n_ranks = expert ? x.edp_n : x.dp_n;
+        if (grp < 0) continue;
+        const double numel = double(expert ? plan.expert.numel : plan.dense.numel);
+        const double n = std::ceil(numel / (8.0 * n_ranks)) * 8.0 * n_ranks;
+        const std::tuple<Op, Purpose, double> phases[] = {
+            {Op::AllToAll, Purpose::OneBitSigns, n / 8},
+            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks},
+            {Op::AllGather, Purpose::OneBitServer, n / 8},
+            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks},
+        };
+        for (const auto& [op, pu, bytes] : phases) {
+          Instruction in = make(op, Stream::DpComm, pu);
+          in.group = grp;
+          in.bytes = bytes;
+          x.last_reduce = add(x, in, {x.last_compute});
+        }
+      }
+    }
+    const double shard = zero_ == 0 ? double(plan.dense.numel + (plan.has_expert ? plan.expert.numel : 0))
+                       : zero_ == 3 ? double(s3_shard(plan.dense) + (plan.has_expert ? s3_shard(plan.expert) : 0))
+                                    : double(plan.dense.shard_numel + (plan.has_expert ? plan.expert.shard_numel : 0));
+    uint32_t updated = kNone;
+    if (sc_.zero.offload_optimizer) {
+      Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);
+      h.flops = shard * kAdamFlopsPerParam;
+      h.memory_bytes = shard * adam_bytes_per_param(4);  // fp32 gradients on the host
+      const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, x.last_compute});
+      Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
+      up.bytes = shard * g_;
+      updated = add(x, up, {step});
+    } else {
+      Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
+      o.flops = shard * kAdamFlopsPerParam;
+      o.memory_bytes = shard * adam_bytes_per_param(g_);
+      updated = add(x, o, {x.last_reduce, emb});
+    }
+    if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool expert = pass == 1;
+        if (expert && !plan.has_expert) continue;
+        const int grp = expert ? x.edp_g : x.dp_g;
+        if (grp < 0) continue;
+        const ZeroPartition& z = expert ? plan.expert : plan.dense;
+        for (size_t k = 0; k < z.allgather_buckets.size(); ++k) {
+          Instruction in = make(Op::AllGather, Stream::DpComm, Purpose::ParamGather);
+          in.group = grp;
+          in.bucket = int(k);
+          in.bytes = double(z.allgather_buckets[k].count_per_rank) * z.dp * g_;
+          add(x, in, {updated});
+        }
+      }
+    }
+  }
+
+  static int64_t s3_shard(const ZeroPartition& z) {
+    int64_t n = 0;
+    for (const auto& g : z.stage3_groups) n += g.shard_numel;
+    return n;
+  }
+
+  const Scenario& sc_;
+  BuildOptions opts_;
+  ProcessGrid grid_;
+  const ModelSpec& m_;
+  int p_ = 1, v_ = 1, t_ = 1, M_ = 1, b_ = 1, g_ = 2, zero_ = 0;
+  bool onebit_ = false;
+  double act_bytes_ = 0, p2p_bytes_ = 0, a2a_bytes_ = 0;
+  std::vector<int> vs_layers_, vs_first_layer_;
+  std::vector<StagePlan> plans_;
+  OpListCache cache_;
+  std::vector<std::vector<int>> group_ids_;
+  std::vector<std::vector<Action>> interleaved_actions_;
+};
+
+}  // namespace
+
+Program build_program(const Scenario& sc, const BuildOptions& opts) {
+  if (sc.parallel.world() < 1) throw std::invalid_argument("build_program: empty world");
+  Builder b(sc, opts);
+  return b.build();
+}
+
+}  // namespace dssim

@@ -1,0 +1,501 @@
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <chrono>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <tuple>
+
+#include "core/grid.hpp"
+#include "core/model.hpp"
+#include "core/program_builder.hpp"
+
+using namespace dssim;
+
+namespace {
+
+Scenario tiny(int tp, int pp, int dp, int zero_stage, int micro_batches = 4) {
+  Scenario sc;
+  sc.name = "tiny";
+  sc.model.name = "tiny";
+  sc.model.layers = 4;
+  sc.model.hidden = 64;
+  sc.model.heads = 4;
+  sc.model.ffn_hidden = 256;
+  sc.model.vocab = 512;
+  sc.model.seq_len = 32;
+  sc.training.micro_batch = 2;
+  sc.training.grad_accum = micro_batches;
+  sc.training.global_batch = int64_t(2) * micro_batches * dp;
+  sc.parallel.tp = tp;
+  sc.parallel.pp = pp;
+  sc.parallel.dp = dp;
+  sc.zero.stage = zero_stage;
+  sc.zero.reduce_bucket_size = 20000;  // several buckets
+  sc.zero.allgather_bucket_size = 30000;
+  sc.precision.dtype = Dtype::bf16;
+  sc.cluster.nodes = 1;
+  sc.cluster.gpus_per_node = tp * pp * dp;
+  return sc;
+}
+
+// Interprets a Program with unit costs and NCCL / rendezvous semantics: streams in order, deps,
+// collectives start when every member is at the matching (same per-group sequence) instruction,
+// a Send and its Recv complete together. Returns false on deadlock.
+bool runs_to_completion(const Program& p, std::string* why = nullptr) {
+  const int nr = int(p.ranks.size());
+  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams(nr);
+  std::vector<std::array<size_t, kStreams>> cur(nr);
+  std::vector<std::vector<char>> done(nr), posted(nr);
+  std::vector<std::vector<uint32_t>> seq(nr);
+  size_t remaining = 0;
+  for (int r = 0; r < nr; ++r) {
+    const auto& ins = p.ranks[r].instructions;
+    done[r].assign(ins.size(), 0);
+    posted[r].assign(ins.size(), 0);
+    seq[r].assign(ins.size(), 0);
+    std::map<int, uint32_t> per_group;
+    for (uint32_t i = 0; i < ins.size(); ++i) {
+      streams[r][int(ins[i].stream)].push_back(i);
+      if (is_collective(ins[i].op)) seq[r][i] = per_group[ins[i].group]++;
+    }
+    cur[r].fill(0);
+    remaining += ins.size();
+  }
+  std::map<std::pair<int, uint32_t>, std::vector<std::pair<int, uint32_t>>> coll;
+  std::map<std::tuple<int, int, int>, std::pair<int, uint32_t>> sends, recvs;
+  const auto finish = [&](int r, uint32_t i) {
+    done[r][i] = 1;
+    --remaining;
+  };
+  bool progress = true;
+  while (remaining > 0 && progress) {
+    progress = false;
+    for (int r = 0; r < nr; ++r) {
+      const RankProgram& rp = p.ranks[r];
+      for (int s = 0; s < kStreams; ++s) {
+        while (cur[r][s] < streams[r][s].size()) {
+          const uint32_t i = streams[r][s][cur[r][s]];
+          if (done[r][i]) { ++cur[r][s]; progress = true; continue; }
+          if (posted[r][i]) break;
+          const Instruction& in = rp.instructions[i];
+          bool ready = true;
+          for (uint32_t d = 0; d < in.deps_count; ++d) ready = ready && done[r][rp.deps[in.deps_begin + d]];
+          if (!ready) break;
+          posted[r][i] = 1;
+          progress = true;
+          if (is_collective(in.op)) {
+            auto& arrived = coll[{in.group, seq[r][i]}];
+            arrived.push_back({r, i});
+            if (arrived.size() == p.groups[in.group].ranks.size())
+              for (auto [rr, ii] : arrived) finish(rr, ii);
+          } else if (in.op == Op::Send || in.op == Op::Recv) {
+            const auto key = in.op == Op::Send ? std::make_tuple(rp.rank, in.peer, in.tag)
+                                               : std::make_tuple(in.peer, rp.rank, in.tag);
+            auto& mine = in.op == Op::Send ? sends : recvs;
+            auto& other = in.op == Op::Send ? recvs : sends;
+            auto it = other.find(key);
+            if (it != other.end()) {
+              finish(r, i);
+              finish(it->second.first, it->second.second);
+              other.erase(it);
+            } else {
+              mine[key] = {r, i};
+            }
+          } else {
+            finish(r, i);
+          }
+          if (!done[r][i]) break;
+        }
+      }
+    }
+  }
+  if (remaining > 0 && why) {
+    for (int r = 0; r < nr && why->empty(); ++r)
+      for (int s = 0; s < kStreams; ++s)
+        if (cur[r][s] < streams[r][s].size()) {
+          const Instruction& in = p.ranks[r].instructions[streams[r][s][cur[r][s]]];
+          *why = "rank " + std::to_string(r) + " stuck at " + to_string(in.op) + " (" +
+                 to_string(in.purpose) + ") on " + to_string(in.stream);
+          break;
+        }
+  }
+  return remaining == 0;
+}
+
+// Structural invariants every Program must satisfy.
+void check_program(const Program& p) {
+  REQUIRE(int(p.ranks.size()) == p.world);
+  std::map<std::tuple<int, int, int>, double> sends, recvs;
+  std::map<int, std::map<int, std::vector<std::tuple<int, double, int, int>>>> per_group;  // group -> rank -> seq
+  for (int r = 0; r < p.world; ++r) {
+    const RankProgram& rp = p.ranks[r];
+    REQUIRE(rp.rank == r);
+    for (uint32_t i = 0; i < rp.instructions.size(); ++i) {
+      const Instruction& in = rp.instructions[i];
+      for (uint32_t d = 0; d < in.deps_count; ++d) REQUIRE(rp.deps[in.deps_begin + d] < i);
+      if (in.op == Op::Send) CHECK(sends.emplace(std::make_tuple(r, in.peer, in.tag), in.bytes).second);
+      if (in.op == Op::Recv) CHECK(recvs.emplace(std::make_tuple(in.peer, r, in.tag), in.bytes).second);
+      if (is_collective(in.op)) {
+        REQUIRE(in.group >= 0);
+        REQUIRE(in.group < int(p.groups.size()));
+        const auto& members = p.groups[in.group].ranks;
+        REQUIRE(std::find(members.begin(), members.end(), r) != members.end());
+        per_group[in.group][r].push_back({int(in.op), in.bytes, in.repeat, int(in.purpose)});
+      }
+      if (is_compute(in.op) && in.op != Op::OptimizerStep && in.op != Op::HostOptimizerStep) {
+        REQUIRE(in.ops >= 0);
+        REQUIRE(in.ops < int(p.op_lists.size()));
+      }
+    }
+  }
+  // Every Send has its Recv with the same tag and bytes.
+  CHECK(sends == recvs);
+  // Every collective appears in the same order on all members of its group.
+  for (const auto& [g, by_rank] : per_group) {
+    INFO("group " << g << " kind " << to_string(p.groups[g].kind));
+    CHECK(by_rank.size() == p.groups[g].ranks.size());
+    const auto& first = by_rank.begin()->second;
+    for (const auto& [r, s] : by_rank) CHECK(s == first);
+  }
+  // Groups are deduplicated.
+  std::set<std::pair<int, std::vector<int>>> uniq;
+  for (const Group& g : p.groups) CHECK(uniq.insert({int(g.kind), g.ranks}).second);
+  std::string why;
+  CHECK(runs_to_completion(p, &why));
+  INFO(why);
+  CHECK(why.empty());
+}
+
+double wire(const Program& p, const RankProgram& rp, Purpose pu) {
+  double total = 0;
+  for (const Instruction& in : rp.instructions)
+    if (in.purpose == pu && is_collective(in.op))
+      total += in.repeat * wire_bytes_per_rank(in.op, in.bytes, int(p.groups[in.group].ranks.size()));
+  return total;
+}
+
+int count(const RankProgram& rp, Op op, Purpose pu = Purpose::None, bool any_purpose = true) {
+  int n = 0;
+  for (const Instruction& in : rp.instructions)
+    if (in.op == op && (any_purpose || in.purpose == pu)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("program: the test interpreter detects deadlocks", "[program]") {
+  // Two ranks that both receive before sending on one stream: a rendezvous deadlock.
+  Program p;
+  p.world = 2;
+  p.ranks.resize(2);
+  for (int r = 0; r < 2; ++r) {
+    p.ranks[r].rank = r;
+    Instruction recv{};
+    recv.op = Op::Recv; recv.stream = Stream::PpComm; recv.peer = 1 - r; recv.tag = 1 - r;
+    Instruction send{};
+    send.op = Op::Send; send.stream = Stream::PpComm; send.peer = 1 - r; send.tag = r;
+    p.ranks[r].add(recv);
+    p.ranks[r].add(send);
+  }
+  CHECK_FALSE(runs_to_completion(p));
+  std::swap(p.ranks[0].instructions[0], p.ranks[0].instructions[1]);
+  CHECK(runs_to_completion(p));
+  // Collectives of two groups in opposite orders on two ranks.
+  Program q;
+  q.world = 2;
+  q.groups = {{GroupKind::DP, {0, 1}}, {GroupKind::TP, {0, 1}}};
+  q.ranks.resize(2);
+  for (int r = 0; r < 2; ++r) {
+    q.ranks[r].rank = r;
+    for (int k = 0; k < 2; ++k) {
+      Instruction in{};
+      in.op = Op::AllReduce; in.stream = Stream::Compute; in.group = r == 0 ? k : 1 - k;
+      q.ranks[r].add(in);
+    }
+  }
+  CHECK_FALSE(runs_to_completion(q));
+}
+
+TEST_CASE("program: tiny pipeline has the expected instructions", "[program]") {
+  Scenario sc = tiny(1, 2, 1, 0);
+  sc.zero.overlap_comm = false;
+  const Program p = build_program(sc);
+  check_program(p);
+  for (int r = 0; r < 2; ++r) {
+    const RankProgram& rp = p.ranks[r];
+    INFO("rank " << r);
+    CHECK(count(rp, Op::Forward) == 4);
+    CHECK(count(rp, Op::Backward) == 4);
+    CHECK(count(rp, Op::Recompute) == 0);
+    CHECK(count(rp, Op::Send) == 4);
+    CHECK(count(rp, Op::Recv) == 4);
+    CHECK(count(rp, Op::AllReduce) == 1);  // tied embedding sync; dp = tp = 1: nothing else
+    CHECK(count(rp, Op::OptimizerStep) == 1);
+    CHECK(rp.instructions.size() == 18);
+  }
+  const RankProgram& s0 = p.ranks[0];
+  CHECK(s0.instructions[0].op == Op::Forward);
+  CHECK(s0.instructions[0].micro_batch == 0);
+  CHECK(s0.instructions[1].op == Op::Send);
+  CHECK(s0.instructions[1].stream == Stream::PpComm);
+  CHECK(s0.instructions[1].purpose == Purpose::PipelineActivation);
+  CHECK(s0.deps[s0.instructions[1].deps_begin] == 0);  // the send waits for its forward
+  const RankProgram& s1 = p.ranks[1];
+  CHECK(s1.instructions[0].op == Op::Recv);
+  CHECK(s1.instructions[1].op == Op::Forward);
+  CHECK(s1.instructions[1].deps_count == 1);
+  CHECK(s1.deps[s1.instructions[1].deps_begin] == 0);  // the forward waits for its activation
+  // Embedding on stage 0, head + loss on stage 1, in the kernel lists.
+  const auto has = [&](int ops, const std::string& name) {
+    for (const LayerOp& o : p.op_lists[ops]) if (o.name.find(name) != std::string::npos) return true;
+    return false;
+  };
+  const int f0 = s0.instructions[0].ops, f1 = s1.instructions[1].ops;
+  CHECK(s0.instructions[0].layer_begin == 0);
+  CHECK(s0.instructions[0].layer_count == 2);
+  CHECK(s1.instructions[1].layer_begin == 2);
+  CHECK(has(f0, "embedding_lookup"));
+  CHECK(!has(f0, "logits"));
+  CHECK(has(f1, "logits"));
+  CHECK(!has(f1, "embedding_lookup"));
+  const OpsCost fc = sum_cost(p.op_lists[f0]);
+  CHECK(s0.instructions[0].flops == Approx(fc.flops));
+  CHECK(s0.instructions[0].gemm_flops == Approx(fc.gemm_flops));
+}
+
+TEST_CASE("program: DP all-reduce volume is 2 psi (N-1)/N per rank", "[program]") {
+  Scenario sc = tiny(1, 1, 4, 0);
+  const Program p = build_program(sc);
+  check_program(p);
+  const double psi_bytes = parameter_count(sc.model) * 2;
+  for (const RankProgram& rp : p.ranks) {
+    CHECK(wire(p, rp, Purpose::GradientReduce) == Approx(2 * psi_bytes * 3 / 4));
+    CHECK(count(rp, Op::AllReduce) > 3);  // bucketed
+    for (const Instruction& in : rp.instructions)
+      if (in.op == Op::AllReduce) {
+        // DeepSpeed never splits a tensor: only a lone tensor (the 512 x 64 embedding) exceeds it.
+        CHECK(in.bytes <= 2.0 * std::max<double>(sc.zero.reduce_bucket_size, 512 * 64));
+        CHECK(in.micro_batch == 3);  // at the accumulation boundary
+      }
+  }
+}
+
+TEST_CASE("program: ZeRO-2 reduce-scatters every micro-step, ZeRO-1 once; both gather params", "[program]") {
+  for (int stage : {1, 2}) {
+    Scenario sc = tiny(1, 1, 4, stage);
+    const Program p = build_program(sc);
+    check_program(p);
+    const double psi = parameter_count(sc.model);  // divisible by 8: no padding here
+    REQUIRE(std::fmod(psi, 8) == 0);
+    const RankProgram& rp = p.ranks[1];
+    const int steps = stage == 2 ? 4 : 1;
+    CHECK(wire(p, rp, Purpose::GradientReduce) == Approx(steps * psi * 2 * 3 / 4));
+    CHECK(wire(p, rp, Purpose::ParamGather) == Approx(psi * 2 * 3 / 4));
+    CHECK(count(rp, Op::OptimizerStep) == 1);
+    for (const Instruction& in : rp.instructions)
+      if (in.op == Op::OptimizerStep) CHECK(in.flops == Approx(psi / 4 * 16));
+  }
+}
+
+TEST_CASE("program: ZeRO-3 moves 3 psi per micro-batch (2 all-gathers + 1 reduce-scatter)", "[program]") {
+  Scenario sc = tiny(1, 1, 4, 3);
+  const Program p = build_program(sc);
+  check_program(p);
+  const double psi = parameter_count(sc.model);
+  for (const RankProgram& rp : p.ranks) {
+    double volume = 0;
+    int gathers = 0;
+    for (const Instruction& in : rp.instructions) {
+      if (in.op == Op::AllGather || in.op == Op::ReduceScatter) volume += in.bytes;
+      if (in.op == Op::AllGather) ++gathers;
+    }
+    CHECK(volume == Approx(3 * 4 * psi * 2));
+    CHECK(gathers == 2 * 4 * sc.model.layers);  // per layer, forward and backward, 4 micro-batches
+    CHECK(count(rp, Op::Forward) == 4 * sc.model.layers);
+    // Each forward waits for its layer's gather.
+    for (const Instruction& in : rp.instructions)
+      if (in.op == Op::Forward) {
+        bool waits_gather = false;
+        for (uint32_t d = 0; d < in.deps_count; ++d)
+          waits_gather |= rp.instructions[rp.deps[in.deps_begin + d]].op == Op::AllGather;
+        CHECK(waits_gather);
+      }
+  }
+  sc.zero.offload_param = true;
+  sc.zero.offload_optimizer = true;
+  const Program q = build_program(sc);
+  check_program(q);
+  CHECK(count(q.ranks[0], Op::HostOptimizerStep) == 1);
+  CHECK(count(q.ranks[0], Op::OptimizerStep) == 0);
+  CHECK(count(q.ranks[0], Op::CopyH2D) == 2 * 4 * sc.model.layers + 1);
+  CHECK(count(q.ranks[0], Op::CopyD2H) == 4 * sc.model.layers);
+}
+
+TEST_CASE("program: TP and PP bytes match the closed forms", "[program]") {
+  for (bool sp : {false, true}) {
+    Scenario sc = tiny(4, 2, 2, 1);
+    sc.parallel.sequence_parallel = sp;
+    const Program p = build_program(sc);
+    check_program(p);
+    const double b = 2, s = 32, h = 64, t = 4, M = 4, g = 2;
+    const int layers_per_stage = 2;
+    for (const RankProgram& rp : p.ranks) {
+      INFO("rank " << rp.rank << " sp " << sp);
+      // Megatron: 2 all-reduces forward + 2 backward per layer of b s h 16-bit values:
+      // 4 * 2 (t-1)/t * 2bsh = 8 b s h (t-1)/t elements = 16 b s h (t-1)/t bytes per layer per
+      // micro-batch; SP's all-gather + reduce-scatter pairs move the same.
+      CHECK(wire(p, rp, Purpose::TensorParallel) ==
+            Approx(layers_per_stage * M * 8 * b * s * h * g * (t - 1) / t));
+      double act = 0, grad = 0;
+      for (const Instruction& in : rp.instructions) {
+        if (in.op != Op::Send) continue;
+        (in.purpose == Purpose::PipelineActivation ? act : grad) += in.bytes;
+      }
+      const int stage = rp.rank / 8;
+      const double per = sp ? b * s * h * g / t : b * s * h * g;
+      CHECK(act == Approx(stage == 0 ? M * per : 0));
+      CHECK(grad == Approx(stage == 1 ? M * per : 0));
+    }
+  }
+}
+
+TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload stay consistent", "[program]") {
+  SECTION("full recompute repeats the forward's TP all-reduces") {
+    Scenario sc = tiny(2, 2, 2, 1);
+    sc.recompute = Recompute::full;
+    const Program p = build_program(sc);
+    check_program(p);
+    CHECK(count(p.ranks[0], Op::Recompute) >= 4);
+    const double b = 2, s = 32, h = 64, t = 2, M = 4, g = 2;
+    CHECK(wire(p, p.ranks[0], Purpose::TensorParallel) == Approx(2 * M * 12 * b * s * h * g * (t - 1) / t));
+  }
+  SECTION("overlap_comm splits the last backward where buckets close") {
+    Scenario sc = tiny(1, 1, 2, 1);
+    const Program p = build_program(sc);
+    check_program(p);
+    const RankProgram& rp = p.ranks[0];
+    CHECK(count(rp, Op::Backward) > 4);
+    // The first reduce-scatter waits for a backward that is not the last one.
+    uint32_t last_bwd = 0, first_rs = 0;
+    for (uint32_t i = 0; i < rp.instructions.size(); ++i) {
+      if (rp.instructions[i].op == Op::Backward) last_bwd = i;
+      if (rp.instructions[i].op == Op::ReduceScatter && first_rs == 0) first_rs = i;
+    }
+    CHECK(first_rs < last_bwd);
+    CHECK(rp.instructions[first_rs].stream == Stream::DpComm);
+  }
+  SECTION("interleaved 1F1B") {
+    Scenario sc = tiny(1, 2, 2, 2);
+    sc.model.layers = 8;
+    sc.parallel.interleave = 2;
+    const Program p = build_program(sc);
+    check_program(p);
+    CHECK(count(p.ranks[0], Op::Forward) == 8);
+    CHECK(count(p.ranks[0], Op::Send) == 8 + 4);  // activations of both chunks, grads of chunk 1
+    sc.training.grad_accum = 3;
+    CHECK_THROWS_AS(build_program(sc), std::invalid_argument);
+  }
+  SECTION("MoE all-to-all in the EP group, experts reduced in the expert-DP group") {
+    Scenario sc = tiny(2, 1, 4, 2);
+    sc.model.experts = 4;
+    sc.model.moe_every = 2;
+    sc.parallel.ep = 2;
+    const Program p = build_program(sc);
+    check_program(p);
+    int a2a = 0;
+    bool expert_dp = false;
+    for (const Instruction& in : p.ranks[0].instructions) {
+      if (in.op == Op::AllToAll) {
+        a2a += in.repeat;
+        CHECK(p.groups[in.group].kind == GroupKind::EP);
+      }
+      if (in.purpose == Purpose::GradientReduce && p.groups[in.group].kind == GroupKind::ExpertDP)
+        expert_dp = true;
+    }
+    CHECK(a2a == 2 * 4 * 4);  // 2 MoE layers x 4 micro-batches x (dispatch + combine) x fwd/bwd
+    CHECK(expert_dp);
+  }
+  SECTION("1-bit Adam after freeze_step replaces the all-reduce") {
+    Scenario sc = tiny(1, 1, 4, 0);
+    sc.optimizer.kind = OptimizerKind::onebit_adam;
+    sc.optimizer.freeze_step = 10;
+    sc.optimizer.step = 5;
+    CHECK(count(build_program(sc).ranks[0], Op::AllReduce) > 0);
+    sc.optimizer.step = 10;
+    const Program p = build_program(sc);
+    check_program(p);
+    const RankProgram& rp = p.ranks[0];
+    CHECK(count(rp, Op::AllReduce) == 0);
+    const double psi = parameter_count(sc.model);
+    const double n = std::ceil(psi / 32) * 32;
+    double signs = 0, server = 0;
+    int scales = 0;
+    for (const Instruction& in : rp.instructions) {
+      if (in.purpose == Purpose::OneBitSigns) { CHECK(in.op == Op::AllToAll); signs += in.bytes; }
+      if (in.purpose == Purpose::OneBitServer) { CHECK(in.op == Op::AllGather); server += in.bytes; }
+      if (in.purpose == Purpose::OneBitScales) ++scales;
+    }
+    CHECK(signs == Approx(n / 8));
+    CHECK(server == Approx(n / 8));
+    CHECK(scales == 2);
+  }
+  SECTION("CPU offload: D2H gradients, host step, H2D parameters") {
+    Scenario sc = tiny(1, 2, 2, 2);
+    sc.zero.offload_optimizer = true;
+    const Program p = build_program(sc);
+    check_program(p);
+    const RankProgram& rp = p.ranks[0];
+    CHECK(count(rp, Op::HostOptimizerStep) == 1);
+    CHECK(count(rp, Op::OptimizerStep) == 0);
+    CHECK(count(rp, Op::CopyD2H) > 0);
+    CHECK(count(rp, Op::CopyH2D) == 1);
+    for (const Instruction& in : rp.instructions) {
+      if (in.op == Op::HostOptimizerStep) CHECK(in.stream == Stream::Host);
+      if (in.op == Op::CopyD2H) CHECK(in.purpose == Purpose::OffloadGradient);
+    }
+  }
+}
+
+TEST_CASE("program: gpt175b-sized build (1024 ranks, pp 8, 96 micro-batches)", "[program]") {
+  Scenario sc;
+  sc.model.layers = 96;
+  sc.model.hidden = 12288;
+  sc.model.heads = 96;
+  sc.model.vocab = 51200;
+  sc.model.seq_len = 2048;
+  sc.training.micro_batch = 1;
+  sc.training.grad_accum = 96;
+  sc.training.global_batch = 1536;
+  sc.parallel.tp = 8;
+  sc.parallel.pp = 8;
+  sc.parallel.dp = 16;
+  sc.zero.stage = 1;
+  sc.recompute = Recompute::full;
+  sc.cluster.nodes = 128;
+  auto t0 = std::chrono::steady_clock::now();
+  const Program rep = build_program(sc, {true});
+  auto t1 = std::chrono::steady_clock::now();
+  const Program full = build_program(sc);
+  auto t2 = std::chrono::steady_clock::now();
+  const double rep_s = std::chrono::duration<double>(t1 - t0).count();
+  const double full_s = std::chrono::duration<double>(t2 - t1).count();
+  size_t total = 0;
+  for (const RankProgram& rp : full.ranks) total += rp.instructions.size();
+  WARN("gpt175b: representative " << rep_s * 1e3 << " ms, full " << full_s * 1e3 << " ms, "
+       << total << " instructions, stage 0 rank " << full.ranks[0].instructions.size()
+       << ", last stage rank " << full.ranks.back().instructions.size() << ", groups " << full.groups.size());
+  CHECK(rep.representative_only);
+  REQUIRE(rep.ranks.size() == 8);
+  const ProcessGrid grid(sc.parallel);
+  for (int s = 0; s < 8; ++s) {
+    CHECK(rep.ranks[s].rank == grid.rank_of(0, s, 0));
+    CHECK(rep.ranks[s].instructions.size() == full.ranks[grid.rank_of(0, s, 0)].instructions.size());
+  }
+  for (const Group& g : rep.groups)
+    if (g.kind == GroupKind::DP) CHECK(g.ranks.size() == 16);
+  CHECK(rep_s < 0.1);
+  CHECK(full_s < 3.0);  // well under a second on an idle core; slack for the shared CI box
+  CHECK(full.ranks[0].instructions.size() < 2000);
+}
