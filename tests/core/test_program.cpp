@@ -499,3 +499,36 @@ TEST_CASE("program: gpt175b-sized build (1024 ranks, pp 8, 96 micro-batches)", "
   CHECK(full_s < 3.0);  // well under a second on an idle core; slack for the shared CI box
   CHECK(full.ranks[0].instructions.size() < 2000);
 }
+
+TEST_CASE("program: many strategy combinations are consistent and deadlock-free", "[program]") {
+  int built = 0;
+  for (int pp : {1, 2, 3}) {
+    for (int dp : {1, 2, 4}) {
+      for (int zero_stage = 0; zero_stage <= 3; ++zero_stage) {
+        for (int variant = 0; variant < 4; ++variant) {
+          const int tp = variant % 2 == 0 ? 1 : 2;
+          const int v = (variant == 3 && pp > 1) ? 2 : 1;
+          Scenario sc = tiny(tp, pp, dp, zero_stage, pp * 2);
+          sc.model.layers = pp * v * 2;
+          sc.parallel.interleave = v;
+          sc.parallel.sequence_parallel = variant == 1;
+          sc.recompute = variant == 2 ? Recompute::selective : variant == 1 ? Recompute::full : Recompute::none;
+          sc.zero.overlap_comm = variant != 2;
+          sc.zero.offload_optimizer = zero_stage > 0 && variant == 1;
+          sc.zero.offload_param = zero_stage == 3 && variant == 1;
+          if (dp >= 2 && variant == 0) {
+            sc.model.experts = 4;
+            sc.model.moe_every = 2;
+            sc.parallel.ep = 2;
+          }
+          sc.model.tied_embeddings = variant != 3;
+          INFO("pp " << pp << " dp " << dp << " zero " << zero_stage << " variant " << variant);
+          const Program p = build_program(sc);
+          check_program(p);
+          ++built;
+        }
+      }
+    }
+  }
+  CHECK(built == 3 * 3 * 4 * 4);
+}
