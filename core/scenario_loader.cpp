@@ -520,7 +520,7 @@ std::vector<std::string> list_presets(const std::string& kind) {
 
 Scenario load_scenario(const std::string& path, const LoadOptions& opts) {
   fs::path p(path);
-  if (!fs::exists(p) && p.parent_path().empty()) {
+  if (!fs::exists(p) && p.is_relative()) {
     for (const auto& candidate : {fs::path(data_root()) / "scenarios" / path,
                                   fs::path(data_root()) / "scenarios" / (path + ".yaml")})
       if (fs::is_regular_file(candidate)) { p = candidate; break; }
@@ -598,7 +598,8 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
   if (opts.gpus != 0) {
     const int n = opts.gpus;
     if (n < 1) throw ConfigError("--gpus must be positive, got " + std::to_string(n));
-    if (n < cl.gpus_per_node) {
+    if (n < cl.gpus_per_node || (cl.nodes == 1 && cl.nics_per_node == 0)) {
+      // fewer GPUs than a node holds, or a single host with no network: one node of n GPUs
       cl.nodes = 1;
       cl.gpus_per_node = n;
     } else if (n % cl.gpus_per_node != 0) {

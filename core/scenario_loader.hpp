@@ -19,11 +19,12 @@ struct LoadOptions {
   std::string deepspeed_config;        // path of a ds_config.json; empty = none
   std::vector<std::string> overrides;  // "key.path=value" (from --set), applied last, in order
   // --gpus N: resizes cluster.nodes (N a multiple of gpus_per_node; N < gpus_per_node makes one
-  // node of N GPUs) and parallel.dp so that tp * pp * dp = N. 0 = keep the scenario's size.
+  // node of N GPUs, as does any N on a single host without NICs) and parallel.dp so that
+  // tp * pp * dp = N. 0 = keep the scenario's size.
   int gpus = 0;
 };
 
-// `path` is a file; if it does not exist and names no directory, scenarios/<path>(.yaml) under
+// `path` is a file; if it does not exist and is relative, scenarios/<path>(.yaml) under
 // data_root() is tried, so `load_scenario("gpt175b")` finds the shipped preset.
 Scenario load_scenario(const std::string& path, const LoadOptions& = {});
 // `source` names the text in messages; relative preset paths resolve against its directory.

@@ -93,6 +93,7 @@ double data_unit(std::string_view u) {
 }
 
 std::optional<double> unit_factor(std::string u, Dimension d) {
+  if (u.empty()) return 1;  // a plain number is already in SI
   switch (d) {
     case Dimension::None:
       return u.empty() ? std::optional<double>(1) : std::nullopt;

@@ -1,0 +1,39 @@
+// Helpers shared by the scenario / ds_config / validation tests.
+#pragma once
+#include <functional>
+#include <string>
+#include "core/scenario_loader.hpp"
+
+namespace dssim::test {
+
+inline std::string scenario_data(const std::string& name) { return std::string(DSSIM_TEST_DATA_DIR) + "/scenarios/" + name; }
+inline std::string ds_data(const std::string& name) { return std::string(DSSIM_TEST_DATA_DIR) + "/ds_configs/" + name; }
+inline std::string shipped(const std::string& name) { return data_root() + "/scenarios/" + name; }
+
+// The ConfigError message `f` throws; fails the test with "<no error>" when it does not throw.
+inline std::string config_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+// A complete small scenario (tiny model, global batch 8, micro-batch 1), the cluster section last
+// so that lines appended to the result land in it; `extra` adds top-level sections before it.
+inline std::string tiny_yaml(const std::string& parallel = "  tp: 1\n  pp: 1\n",
+                             const std::string& cluster = "  preset: single-node-pcie\n  gpus_per_node: 2\n",
+                             const std::string& extra = "") {
+  return "model: tiny\n"
+         "training:\n  global_batch: 8\n  micro_batch: 1\n"
+         "parallel:\n" + parallel + extra + "cluster:\n" + cluster;
+}
+
+inline bool has_warning_with(const Scenario& s, const std::string& text) {
+  for (const auto& w : s.warnings)
+    if (w.find(text) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace dssim::test

@@ -1,0 +1,213 @@
+// ds_config.json as users write them (tests/data/ds_configs/README.md): good ones load with a
+// warning per unused key, bad ones are refused.
+#include <catch2/catch.hpp>
+#include <fstream>
+#include "core/deepspeed_config.hpp"
+#include "core/scenario_loader.hpp"
+#include "scenario_test_util.hpp"
+
+using namespace dssim;
+using namespace dssim::test;
+using Catch::Contains;
+
+namespace {
+Scenario with_ds(const std::string& scenario, const std::string& ds, LoadOptions o = {}) {
+  o.deepspeed_config = ds_data(ds);
+  return load_scenario(scenario, o);
+}
+std::string temp_json(const std::string& name, const std::string& text) {
+  const std::string path = "/tmp/dssim_test_" + name + ".json";
+  std::ofstream(path) << text;
+  return path;
+}
+}  // namespace
+
+TEST_CASE("zero2_13b_typical.json: ZeRO-2, AdamW, bf16, clipping; print keys warned", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("gpt13b_zero2.yaml"), "zero2_13b_typical.json");
+  CHECK(s.training.global_batch == 512);
+  CHECK(s.training.micro_batch == 2);
+  CHECK(s.training.grad_accum == 4);
+  CHECK(s.zero.stage == 2);
+  CHECK(s.zero.overlap_comm);
+  CHECK(s.zero.reduce_bucket_size == 500000000);
+  CHECK(s.zero.allgather_bucket_size == 500000000);
+  CHECK(s.optimizer.kind == OptimizerKind::adamw);
+  CHECK(s.optimizer.lr == Approx(1e-4));
+  CHECK(s.optimizer.beta2 == Approx(0.95));
+  CHECK(s.optimizer.weight_decay == Approx(0.1));
+  CHECK(s.precision.dtype == Dtype::bf16);
+  CHECK(s.training.gradient_clipping == 1.0);
+  CHECK(has_warning_with(s, "'steps_per_print'"));
+  CHECK(has_warning_with(s, "'wall_clock_breakdown'"));
+  // contiguous_gradients: true and activation checkpointing options off are what dssim models
+  CHECK_FALSE(has_warning_with(s, "contiguous_gradients"));
+  CHECK_FALSE(has_warning_with(s, "partition_activations"));
+  CHECK(s.warnings.size() == 2);
+}
+
+TEST_CASE("cross_dc_comm.json: keys DeepSpeed does not define are warned, not dropped", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("gpt13b_zero2.yaml"), "cross_dc_comm.json");
+  CHECK(has_warning_with(s, "'timeout' is not a DeepSpeed config key"));
+  CHECK(has_warning_with(s, "'nccl_socket_ifname' is not a DeepSpeed config key"));
+  CHECK(has_warning_with(s, "'communication_data_type' has no effect in dssim"));
+  CHECK(s.warnings.size() == 3);
+  // train_batch_size alone replaces the scenario's triple: micro = 1024 / 64, grad_accum 1
+  CHECK(s.training.global_batch == 1024);
+  CHECK(s.training.micro_batch == 16);
+  CHECK(s.training.grad_accum == 1);
+}
+
+TEST_CASE("fp16_loss_scale_clip.json: fp16 with dynamic loss scaling", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("tiny/tiny_dp2.yaml"), "fp16_loss_scale_clip.json");
+  CHECK(s.precision.dtype == Dtype::fp16);
+  CHECK(s.precision.loss_scale.loss_scale == 0);
+  CHECK(s.precision.loss_scale.loss_scale_window == 1000);
+  CHECK(s.precision.loss_scale.initial_scale_power == 16);
+  CHECK(s.precision.loss_scale.hysteresis == 2);
+  CHECK(s.precision.loss_scale.min_loss_scale == 1);
+  CHECK(s.training.gradient_clipping == 1.0);
+  CHECK(s.training.micro_batch == 4);
+  CHECK(s.training.grad_accum == 8);
+  CHECK(s.training.global_batch == 4 * 8 * 2);
+  CHECK(s.warnings.empty());
+}
+
+TEST_CASE("moe_ep8_jitter.json: dssim's moe block sets expert parallelism", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("moe.yaml"), "moe_ep8_jitter.json");
+  CHECK(s.parallel.ep == 8);
+  CHECK(s.training.micro_batch == 8);
+  CHECK(s.training.global_batch == 8 * 64);
+  CHECK(s.precision.dtype == Dtype::bf16);
+  CHECK(has_warning_with(s, "'moe.noisy_gate_policy'"));
+  // on the tiny MoE scenario, ep 8 needs 8 data-parallel ranks
+  LoadOptions o;
+  o.gpus = 8;
+  const Scenario t = with_ds(shipped("tiny/tiny_moe.yaml"), "moe_ep8_jitter.json", o);
+  CHECK(t.parallel.ep == 8);
+  CHECK(t.parallel.dp == 8);
+  CHECK_THAT(config_error([] { with_ds(shipped("tiny/tiny_moe.yaml"), "moe_ep8_jitter.json"); }),
+             Contains("parallel.ep (8) (ds_config moe.expert_parallel_size) must divide parallel.dp (2)"));
+  CHECK_THAT(config_error([] { with_ds(shipped("tiny/tiny_dp2.yaml"), "moe_ep8_jitter.json"); }),
+             Contains("requires a mixture-of-experts model"));
+}
+
+TEST_CASE("onebit_adam.json: OneBitAdam with freeze_step; comm params warned", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("onebit_adam.yaml"), "onebit_adam.json");
+  CHECK(s.optimizer.kind == OptimizerKind::onebit_adam);
+  CHECK(s.optimizer.freeze_step == 23000);
+  CHECK(s.optimizer.lr == Approx(4e-4));
+  CHECK(s.optimizer.weight_decay == Approx(0.01));
+  CHECK(s.precision.dtype == Dtype::fp16);
+  CHECK(s.training.global_batch == 4096);
+  CHECK(s.training.grad_accum == 4);
+  CHECK(has_warning_with(s, "'optimizer.params.cuda_aware'"));
+  CHECK(has_warning_with(s, "'optimizer.params.comm_backend_name'"));
+}
+
+TEST_CASE("zero3_offload_bs4096.json: ZeRO-3 with optimizer offload", "[deepspeed]") {
+  const Scenario s = with_ds(shipped("tiny/tiny_dp2.yaml"), "zero3_offload_bs4096.json");
+  CHECK(s.zero.stage == 3);
+  CHECK(s.zero.offload_optimizer);
+  CHECK_FALSE(s.zero.offload_param);
+  CHECK(s.training.global_batch == 4096);
+  CHECK(s.training.micro_batch == 2048);  // DeepSpeed: train_batch_size alone -> micro = 4096 / dp
+  CHECK(s.training.grad_accum == 1);
+}
+
+TEST_CASE("bad ds_configs are refused with DeepSpeed's wording", "[deepspeed]") {
+  // tiny_tp2: a 1-GPU data-parallel world (tp 2 on 2 GPUs)
+  CHECK_THAT(config_error([] { with_ds(shipped("tiny/tiny_tp2.yaml"), "bad_batch_triple.json"); }),
+             Contains("train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 2 * 1 * 1") &&
+                 Contains("ds_config train_batch_size"));
+  CHECK_THAT(config_error([] { with_ds(shipped("tiny/tiny_dp2.yaml"), "bad_fp16_and_bf16.json"); }),
+             Contains("bf16 and fp16 modes cannot be simultaneously enabled") && Contains("bad_fp16_and_bf16.json"));
+}
+
+TEST_CASE("ds_config overrides the YAML and --set overrides both", "[deepspeed]") {
+  LoadOptions o;
+  o.deepspeed_config = scenario_data("ds_override.json");
+  const Scenario s = load_scenario(scenario_data("minimal.yaml"), o);
+  CHECK(s.zero.stage == 2);
+  CHECK(s.zero.reduce_bucket_size == 2000000);
+  CHECK(s.training.micro_batch == 1);
+  CHECK(s.training.grad_accum == 3);
+  CHECK(s.training.global_batch == 6);  // the YAML's global_batch 8 is replaced with the triple
+  o.overrides = {"zero.stage=1", "training.micro_batch=2"};
+  const Scenario t = load_scenario(scenario_data("minimal.yaml"), o);
+  CHECK(t.zero.stage == 1);
+  CHECK(t.training.micro_batch == 2);
+  CHECK(t.training.grad_accum == 3);
+  CHECK(t.training.global_batch == 12);
+  const Scenario y = load_scenario(scenario_data("minimal.yaml"));
+  CHECK(y.zero.stage == 0);
+  CHECK(y.training.global_batch == 8);
+  CHECK(y.training.grad_accum == 2);
+}
+
+TEST_CASE("ds_config mapping of individual keys", "[deepspeed]") {
+  using json = nlohmann::json;
+  auto layer = map_deepspeed_config(json::parse(R"({
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "pin_memory": true},
+                          "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e4,
+                          "stage3_max_live_parameters": 3e8, "sub_group_size": 1e9, "contiguous_gradients": false},
+    "fp16": {"enabled": false}, "bf16": {"enabled": false},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "torch_adam": true}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
+    "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": false}
+  })"), "x.json");
+  auto value = [&](const std::string& k) { return layer.settings.at(k).value.Scalar(); };
+  CHECK(value("zero.stage") == "3");
+  CHECK(value("zero.offload_param") == "true");
+  CHECK(value("zero.prefetch_bucket_size") == "10000000.0");
+  CHECK(value("zero.param_persistence_threshold") == "10000.0");
+  CHECK(value("zero.max_live_parameters") == "300000000.0");
+  CHECK(value("precision.dtype") == "fp32");  // both explicitly disabled: DeepSpeed trains in fp32
+  CHECK(value("optimizer.type") == "adamw");
+  CHECK(layer.settings.at("optimizer.betas").value.size() == 2);
+  CHECK(layer.settings.at("zero.stage").written_as == "zero_optimization.stage");
+  CHECK_FALSE(layer.sets_batch);
+  auto warned = [&](const std::string& k) {
+    for (auto& w : layer.warnings)
+      if (w.find("'" + k + "'") != std::string::npos) return true;
+    return false;
+  };
+  CHECK(warned("zero_optimization.offload_param.device"));  // nvme modeled as cpu
+  CHECK(warned("zero_optimization.offload_param.pin_memory"));
+  CHECK(warned("zero_optimization.sub_group_size"));
+  CHECK(warned("zero_optimization.contiguous_gradients"));
+  CHECK(warned("optimizer.params.torch_adam"));
+  CHECK(warned("scheduler.type"));
+  CHECK(warned("scheduler.params.warmup_num_steps"));
+  CHECK(warned("activation_checkpointing.partition_activations"));
+  CHECK_FALSE(warned("activation_checkpointing.cpu_checkpointing"));
+  CHECK(layer.warnings.size() == 8);
+
+  auto legacy = map_deepspeed_config(json::parse(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})"), "l.json");
+  CHECK(legacy.settings.at("zero.offload_optimizer").value.Scalar() == "true");
+
+  auto hf = map_deepspeed_config(json::parse(R"({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"})"), "hf.json");
+  CHECK(hf.settings.empty());
+  CHECK_FALSE(hf.sets_batch);
+  CHECK(hf.warnings.size() == 2);
+}
+
+TEST_CASE("ds_config errors name the DeepSpeed key", "[deepspeed]") {
+  using json = nlohmann::json;
+  CHECK_THAT(config_error([] { map_deepspeed_config(json::parse(R"({"optimizer": {"type": "Lamb"}})"), "o.json"); }),
+             Contains("o.json: optimizer.type: dssim models the optimizers Adam, AdamW and OneBitAdam, got \"Lamb\""));
+  CHECK_THAT(config_error([] { map_deepspeed_config(json::parse(R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})"), "d.json"); }),
+             Contains("zero_optimization.offload_optimizer.device: expected \"cpu\", \"nvme\" or \"none\""));
+  CHECK_THAT(config_error([] { map_deepspeed_config(json::parse(R"([1, 2])"), "a.json"); }),
+             Contains("a ds_config must be a JSON object"));
+  // a wrong type is reported by the ds key, through the scenario's typed reader
+  LoadOptions o;
+  o.deepspeed_config = temp_json("wrong_stage", R"({"zero_optimization": {"stage": "two"}})");
+  CHECK_THAT(config_error([&] { load_scenario(scenario_data("minimal.yaml"), o); }),
+             Contains("zero_optimization.stage (zero.stage): expected an integer, got 'two'"));
+  o.deepspeed_config = temp_json("malformed", "{\n  \"train_batch_size\": 8,\n  \"fp16\": {\"enabled\": tru}\n}\n");
+  CHECK_THAT(config_error([&] { load_scenario(scenario_data("minimal.yaml"), o); }),
+             Contains("malformed JSON at line 3"));
+  o.deepspeed_config = "/nonexistent/ds.json";
+  CHECK_THAT(config_error([&] { load_scenario(scenario_data("minimal.yaml"), o); }),
+             Contains("cannot open the DeepSpeed config '/nonexistent/ds.json'"));
+}
