@@ -148,7 +148,7 @@ struct Mapper {
   }
 
   void precision(const json& root) {
-    bool fp16 = false, bf16 = false, explicit_enabled = false;
+    // DeepSpeed: fp16.enabled or bf16.enabled (older spelling: bfloat16); both off = fp32.
     auto block = [&](const char* name) -> const json* {
       auto it = root.find(name);
       if (it == root.end()) return nullptr;
@@ -156,8 +156,9 @@ struct Mapper {
       return &*it;
     };
     const json* f = block("fp16");
-    const json* b = block("bf16");
-    if (!b) b = block("bfloat16");  // older DeepSpeed spelling
+    const char* bf16_name = root.contains("bf16") ? "bf16" : "bfloat16";
+    const json* b = block(bf16_name);
+    bool explicit_enabled = false;
     auto enabled = [&](const json* blk, const std::string& name) {
       if (!blk || !blk->contains("enabled")) return false;
       const json& e = blk->at("enabled");
@@ -168,14 +169,15 @@ struct Mapper {
       explicit_enabled = true;
       return get_bool(name + ".enabled", e);
     };
-    fp16 = enabled(f, "fp16");
-    bf16 = enabled(b, b && root.contains("bfloat16") && !root.contains("bf16") ? "bfloat16" : "bf16");
+    const bool fp16 = enabled(f, "fp16");
+    const bool bf16 = enabled(b, bf16_name);
     if (fp16 && bf16)
-      throw ConfigError(origin + ": bf16 and fp16 modes cannot be simultaneously enabled (fp16.enabled and "
-                                 "bf16.enabled are both true); enable one of them");
+      throw ConfigError(origin + ": bf16 and fp16 modes cannot be simultaneously enabled (fp16.enabled and " +
+                        std::string(bf16_name) + ".enabled are both true); enable one of them");
     if (fp16) set("precision.dtype", "fp16.enabled", YAML::Node("fp16"));
-    else if (bf16) set("precision.dtype", "bf16.enabled", YAML::Node("bf16"));
-    else if (explicit_enabled) set("precision.dtype", f ? "fp16.enabled" : "bf16.enabled", YAML::Node("fp32"));
+    else if (bf16) set("precision.dtype", std::string(bf16_name) + ".enabled", YAML::Node("bf16"));
+    else if (explicit_enabled)
+      set("precision.dtype", f ? "fp16.enabled" : std::string(bf16_name) + ".enabled", YAML::Node("fp32"));
     if (f) {
       for (auto it = f->begin(); it != f->end(); ++it) {
         const std::string dk = "fp16." + it.key();
@@ -189,11 +191,9 @@ struct Mapper {
         else warn_all(dk, it.value(), "has no effect in dssim");
       }
     }
-    if (b) {
-      const std::string name = root.contains("bf16") ? "bf16" : "bfloat16";
+    if (b)
       for (auto it = b->begin(); it != b->end(); ++it)
-        if (it.key() != "enabled") warn_all(name + "." + it.key(), it.value(), "has no effect in dssim");
-    }
+        if (it.key() != "enabled") warn_all(std::string(bf16_name) + "." + it.key(), it.value(), "has no effect in dssim");
   }
 
   void optimizer(const json& o) {
@@ -281,7 +281,8 @@ struct Mapper {
       else if (k == "gradient_accumulation_steps") { map("training.grad_accum", k, v); out.sets_batch = true; }
       else if (k == "gradient_clipping") map("training.gradient_clipping", k, v);
       else if (k == "zero_optimization") zero(v);
-      else if (k == "fp16" || k == "bf16" || k == "bfloat16") continue;  // precision() above
+      else if (k == "fp16" || k == "bf16") continue;  // precision() above
+      else if (k == "bfloat16" && !root.contains("bf16")) continue;
       else if (k == "optimizer") optimizer(v);
       else if (k == "moe") moe(v);
       else if (k == "activation_checkpointing") activation_checkpointing(v);
