@@ -1,0 +1,891 @@
+#include "backends/torch/engine.hpp"
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+#include "backends/torch/gpt.hpp"
+#include "backends/torch/loss_scaler.hpp"
+#include "backends/torch/torch_compat.hpp"
+#include "core/zero_partition.hpp"
+#ifdef DSSIM_HAVE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace dssim::tb {
+
+std::string counter_key(Op op, Purpose p) { return std::string(to_string(op)) + "/" + to_string(p); }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+at::ScalarType torch_dtype(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return at::kFloat;
+    case Dtype::fp16: return at::kHalf;
+    case Dtype::bf16: return at::kBFloat16;
+  }
+  return at::kFloat;
+}
+
+int layer_of_unit(const GptConfig& c, int u) {
+  return u == 0 ? 0 : u == c.final_unit() ? c.layers - 1 : u - 1;
+}
+
+// The parameter tensors in model order with their layer (module) for ZeRO-3 fetching: the
+// partition the Program's byte counts come from, applied here to real tensors.
+ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp) {
+  // As core/program_builder lays it out: the embedding belongs to layer 0, the final norm to the
+  // last layer; stage 0 all-reduces the unpadded buffer (one "rank", no alignment).
+  ZeroPartitionSpec spec;
+  for (int u = 0; u < c.units(); ++u)
+    for (const auto& p : unit_params(c, u)) {
+      spec.numel.push_back(p.numel());
+      spec.layer.push_back(layer_of_unit(c, u));
+    }
+  spec.dp = z.stage == 0 ? 1 : dp;
+  spec.alignment = z.stage == 0 ? 1 : 2;
+  spec.reduce_bucket_size = std::max<int64_t>(1, z.reduce_bucket_size);
+  spec.allgather_bucket_size = std::max<int64_t>(1, z.allgather_bucket_size);
+  return spec;
+}
+
+class Engine {
+ public:
+  Engine(const Scenario& sc, const Program& program, Communicator& comm, const EngineOptions& o,
+         const torch::Device& device)
+      : sc_(sc), program_(program), comm_(comm), o_(o), dev_(device), cfg_(GptConfig::from(sc.model)),
+        stage_(sc.zero.stage), dp_(comm.size()), rank_(comm.rank()),
+        dtype_(torch_dtype(sc.precision.dtype)),
+        fp16_(sc.precision.dtype == Dtype::fp16),
+        scaler_(sc.precision.loss_scale, fp16_),
+        data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed) {
+    if (sc.parallel.tp != 1 || sc.parallel.pp != 1)
+      throw std::invalid_argument("torch backend: only data parallelism is supported (tp = pp = 1); got tp=" +
+                                  std::to_string(sc.parallel.tp) + " pp=" + std::to_string(sc.parallel.pp));
+    if (sc.parallel.dp != dp_)
+      throw std::invalid_argument("torch backend: scenario has dp=" + std::to_string(sc.parallel.dp) +
+                                  " but " + std::to_string(dp_) + " ranks are running");
+    if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
+    if (program.ranks.size() <= size_t(rank_) || program.ranks[rank_].rank != rank_)
+      throw std::invalid_argument("torch backend: the Program has no instructions for rank " +
+                                  std::to_string(rank_) + " (built representative-only?)");
+    micro_batch_ = sc.training.micro_batch;
+    grad_accum_ = sc.training.grad_accum;
+    checkpoint_activations_ = sc.recompute != Recompute::none;
+    offload_ = sc.zero.offload_optimizer && stage_ >= 1;
+    state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
+    part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_));
+    allocate();
+  }
+
+  EngineResult run();
+
+ private:
+  // ---- memory -------------------------------------------------------------------------------
+  int64_t unit_offset(int u) const { return part_.offsets[first_tensor_[u]]; }
+
+  void allocate() {
+    at::NoGradGuard ng;
+    auto dev16 = at::TensorOptions().dtype(dtype_).device(dev_);
+    auto st32 = at::TensorOptions().dtype(at::kFloat).device(state_device_);
+    if (offload_ && dev_.is_cuda()) st32 = st32.pinned_memory(true);
+    int t = 0;
+    for (int u = 0; u < cfg_.units(); ++u) {
+      first_tensor_.push_back(t);
+      t += int(unit_params(cfg_, u).size());
+    }
+    p16_.resize(cfg_.units());
+    if (stage_ <= 2) {
+      flat16_ = at::zeros({part_.padded_numel}, dev16);
+      grad16_ = at::zeros({part_.padded_numel}, dev16);
+      const int64_t n = stage_ == 0 ? part_.padded_numel : part_.shard_numel;
+      master_ = at::zeros({n}, st32);
+      auto full32 = at::zeros({part_.padded_numel}, dev16.dtype(at::kFloat));
+      for (int u = 0; u < cfg_.units(); ++u)
+        init_unit(cfg_, u, full32.narrow(0, unit_offset(u), unit_numel(cfg_, u)), sc_.training.seed);
+      flat16_.copy_(full32);
+      if (stage_ == 0) master_.copy_(full32);
+      else master_.copy_(full32.narrow(0, part_.shard(rank_).begin, part_.shard_numel));
+      for (int u = 0; u < cfg_.units(); ++u) {
+        const int64_t off = unit_offset(u), n_u = unit_numel(cfg_, u);
+        p16_[u] = flat16_.narrow(0, off, n_u).detach().requires_grad_(true);
+        p16_[u].mutable_grad() = grad16_.narrow(0, off, n_u);
+      }
+      grad_dirty_.assign(part_.grad_buckets.size(), false);
+    } else {
+      int64_t shard_total = 0;
+      for (const auto& g : part_.stage3_groups) {
+        group_shard_offset_.push_back(shard_total);
+        shard_total += g.shard_numel;
+      }
+      master_ = at::zeros({shard_total}, st32);
+      shard16_ = at::zeros({shard_total}, dev16);
+      const int G = int(part_.stage3_groups.size());
+      group_units_.assign(G, {});
+      unit_group_offset_.assign(cfg_.units(), 0);
+      for (int u = 0; u < cfg_.units(); ++u) {
+        const int g = layer_of_unit(cfg_, u);
+        auto& us = group_units_.at(g);
+        unit_group_offset_[u] = 0;
+        for (int v : us) unit_group_offset_[u] += unit_numel(cfg_, v);
+        us.push_back(u);
+      }
+      full16_.resize(G);
+      gradg_.resize(G);
+      for (int g = 0; g < G; ++g) {
+        auto full32 = at::zeros({part_.stage3_groups[g].numel}, dev16.dtype(at::kFloat));
+        for (int u : group_units_[g])
+          init_unit(cfg_, u, full32.narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), sc_.training.seed);
+        master_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
+            .copy_(full_to_shard(g, full32, rank_));
+        full16_[g] = full32.to(dtype_).clone();
+        for (int u : group_units_[g])
+          p16_[u] = full16_[g].narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)).detach().requires_grad_(true);
+      }
+      shard16_.copy_(master_);
+      gathered_.assign(G, true);
+      grad_dirty_.assign(G, false);
+      // Until the Program gathers them, stage-3 parameters are not resident.
+      for (int g = 0; g < G; ++g) release_group(g);
+    }
+    exp_avg_ = at::zeros_like(master_);
+    exp_avg_sq_ = at::zeros_like(master_);
+    grad_acc_ = at::zeros(master_.sizes(), at::TensorOptions().dtype(at::kFloat).device(dev_));
+  }
+
+  // Stage 3: a group's full flat tensor -> rank r's partition (per tensor ceil(n / dp), zero padded).
+  at::Tensor full_to_shard(int gi, const at::Tensor& full, int r) const {
+    const auto& g = part_.stage3_groups[gi];
+    auto out = at::zeros({g.shard_numel}, full.options());
+    int64_t in_off = 0, out_off = 0;
+    for (int ti : g.tensors) {
+      const int64_t n = part_.offsets.size() > 0 ? tensor_numel(ti) : 0;
+      const int64_t c = (n + dp_ - 1) / dp_;
+      const int64_t b = std::min<int64_t>(n, int64_t(r) * c), e = std::min<int64_t>(n, int64_t(r + 1) * c);
+      if (e > b) out.narrow(0, out_off, e - b).copy_(full.narrow(0, in_off + b, e - b));
+      in_off += n;
+      out_off += c;
+    }
+    return out;
+  }
+  // Stage 3: all-gathered [dp * shard] -> the group's full flat tensor.
+  void gathered_to_full(int gi, const at::Tensor& gathered, at::Tensor full) const {
+    const auto& g = part_.stage3_groups[gi];
+    auto rows = gathered.view({dp_, g.shard_numel});
+    int64_t out_off = 0, in_off = 0;
+    for (int ti : g.tensors) {
+      const int64_t n = tensor_numel(ti), c = (n + dp_ - 1) / dp_;
+      full.narrow(0, out_off, n).copy_(rows.narrow(1, in_off, c).reshape({-1}).narrow(0, 0, n));
+      out_off += n;
+      in_off += c;
+    }
+  }
+  int64_t tensor_numel(int ti) const {
+    return ti + 1 < int(part_.offsets.size()) ? part_.offsets[ti + 1] - part_.offsets[ti]
+                                               : part_.numel - part_.offsets[ti];
+  }
+  void release_group(int g) {
+    if (stage_ < 3 || !gathered_[g]) return;
+    release_storage(full16_[g]);  // the units' leaves share this storage
+    gathered_[g] = false;
+  }
+  int group_of(int u) const { return layer_of_unit(cfg_, u); }
+
+  // ---- compute ------------------------------------------------------------------------------
+  struct Segment {
+    int unit;            // 0 embedding, 1..L block, L+1 head (final norm + tied LM head + loss)
+    at::Tensor input;    // detached, requires grad (blocks, head)
+    at::Tensor output;   // empty when recomputed in backward
+  };
+  struct MicroBatchState {
+    at::Tensor tokens;
+    std::vector<Segment> segments;
+    at::Tensor loss;
+  };
+
+  const at::Tensor& param(int u, const char* why) {
+    if (stage_ == 3 && !gathered_[group_of(u)])
+      throw std::runtime_error(std::string("Program error: ") + why + " of layer " + std::to_string(group_of(u)) +
+                               " before its ZeRO-3 parameters were gathered");
+    return p16_[u];
+  }
+
+  void forward(const Instruction& in) {
+    const int mb = in.micro_batch;
+    auto& st = mbs_[mb];
+    const int lb = std::max(0, in.layer_begin);
+    const int le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
+    if (lb == 0) {
+      st = {};
+      auto batch = data_.batch(step_, mb, rank_, micro_batch_).to(dev_);
+      st.tokens = batch;
+      auto x = embed_forward(cfg_, param(0, "forward"), batch.narrow(1, 0, cfg_.seq_len));
+      st.segments.push_back({0, {}, x});
+    }
+    for (int l = lb; l < le; ++l) {
+      const int u = cfg_.block_unit(l);
+      auto x = st.segments.back().output.detach().requires_grad_(true);
+      at::Tensor y;
+      if (checkpoint_activations_) {
+        at::NoGradGuard ng;
+        y = block_forward(cfg_, param(u, "forward"), x);
+        st.segments.push_back({u, x, {}});
+        st.segments.back().output = y;  // kept only as the next input; dropped in backward
+      } else {
+        y = block_forward(cfg_, param(u, "forward"), x);
+        st.segments.push_back({u, x, y});
+      }
+    }
+    if (le == cfg_.layers) {
+      auto x = st.segments.back().output.detach().requires_grad_(true);
+      auto loss = head_loss(cfg_, param(cfg_.final_unit(), "forward"), param(0, "forward"), x,
+                            st.tokens.narrow(1, 1, cfg_.seq_len));
+      st.segments.push_back({cfg_.final_unit(), x, loss});
+      st.loss = loss.detach();
+      loss_sum_ = loss_sum_.defined() ? loss_sum_ + st.loss : st.loss.clone();
+    }
+  }
+
+  void prepare_grad(int u) {
+    if (stage_ < 3) return;
+    const int g = group_of(u);
+    if (!gradg_[g].defined()) {
+      gradg_[g] = at::zeros({part_.stage3_groups[g].numel}, full16_[g].options());
+      for (int v : group_units_[g]) p16_[v].mutable_grad() = gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v));
+    }
+  }
+
+  void backward(const Instruction& in) {
+    const int mb = in.micro_batch;
+    auto& st = mbs_[mb];
+    const int lb = std::max(0, in.layer_begin);
+    const int le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
+    at::Tensor grad;
+    if (le == cfg_.layers) {
+      auto& seg = st.segments.back();
+      param(cfg_.final_unit(), "backward");
+      param(0, "backward");
+      prepare_grad(cfg_.final_unit());
+      prepare_grad(0);
+      const double scale = scaler_.scale() / double(grad_accum_);
+      torch::autograd::backward({seg.output * scale});
+      grad = seg.input.grad();
+      mark_dirty(cfg_.final_unit());
+      mark_dirty(0);
+      st.segments.pop_back();
+    } else {
+      grad = pending_grad_[mb];
+    }
+    for (int l = le - 1; l >= lb; --l) {
+      auto& seg = st.segments.back();
+      const int u = seg.unit;
+      const auto& p = param(u, "backward");
+      prepare_grad(u);
+      at::Tensor out = seg.output;
+      if (checkpoint_activations_) {
+        auto t0 = Clock::now();
+        out = block_forward(cfg_, p, seg.input);
+        recompute_seconds_ += seconds_since(t0);
+      }
+      torch::autograd::backward({out}, {grad});
+      grad = seg.input.grad();
+      mark_dirty(u);
+      st.segments.pop_back();
+    }
+    if (lb == 0) {
+      auto& seg = st.segments.back();
+      param(0, "backward");
+      prepare_grad(0);
+      torch::autograd::backward({seg.output}, {grad});
+      mark_dirty(0);
+      st.segments.clear();
+    } else {
+      pending_grad_[mb] = grad;
+    }
+  }
+
+  void mark_dirty(int u) {
+    if (stage_ == 3) {
+      grad_dirty_[group_of(u)] = true;
+      return;
+    }
+    const int64_t b = unit_offset(u), e = b + unit_numel(cfg_, u);
+    for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
+      const Range& r = part_.grad_buckets[k].range;
+      if (r.begin < e && b < r.end()) grad_dirty_[k] = true;
+    }
+  }
+
+  // Stage 3 frees the units an instruction used unless the Program uses them again before
+  // gathering them again.
+  void after_use(const Instruction& in) {
+    if (stage_ < 3) return;
+    for (int g : groups_of(in))
+      if (!keep_after_use_[pc_][g]) release_group(g);
+  }
+  std::vector<int> groups_of(const Instruction& in) const {
+    std::vector<int> gs;
+    for (int u : units_of(in)) {
+      const int g = group_of(u);
+      if (std::find(gs.begin(), gs.end(), g) == gs.end()) gs.push_back(g);
+    }
+    return gs;
+  }
+  std::vector<int> units_of(const Instruction& in) const {
+    std::vector<int> us;
+    const int lb = std::max(0, in.layer_begin), le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
+    if (lb == 0 || le == cfg_.layers) us.push_back(0);
+    for (int l = lb; l < le; ++l) us.push_back(cfg_.block_unit(l));
+    if (le == cfg_.layers) us.push_back(cfg_.final_unit());
+    return us;
+  }
+
+  // ---- communication ------------------------------------------------------------------------
+  double scale_for_average() const { return 1.0 / double(dp_); }
+
+  void reduce_gradients(const Instruction& in) {
+    const int k = in.bucket;
+    if (stage_ <= 2) {
+      if (k < 0 || k >= int(part_.grad_buckets.size()))
+        throw std::runtime_error("Program error: gradient bucket " + std::to_string(k) + " does not exist");
+      const auto& b = part_.grad_buckets[k];
+      check_bytes(in, double(b.range.count) * elt16());
+      auto buf = grad16_.narrow(0, b.range.begin, b.range.count);
+      if (in.op == Op::AllReduce || stage_ == 0) {
+        comm_.allreduce(buf, in.purpose)->wait();
+        fold_full(b.range, buf);
+      } else {
+        // DeepSpeed reduces each rank's intersection with the bucket to its owner; the same data
+        // moves as in a reduce-scatter of the bucket.
+        const Range mine = b.sub_shards[rank_];
+        reduce_to_owners(buf, in);
+        if (mine.count > 0) {
+          const Range shard = part_.shard(rank_);
+          grad_acc_.narrow(0, mine.begin - shard.begin, mine.count)
+              .add_(buf.narrow(0, mine.begin - b.range.begin, mine.count).to(at::kFloat),
+                    scale_for_average());
+        }
+      }
+      buf.zero_();
+      grad_dirty_[k] = false;
+    } else {
+      const int gi = k;
+      if (gi < 0 || gi >= int(part_.stage3_groups.size()))
+        throw std::runtime_error("Program error: ZeRO-3 group " + std::to_string(gi) + " does not exist");
+      const auto& g = part_.stage3_groups[gi];
+      check_bytes(in, double(g.padded_numel()) * elt16());
+      if (!gradg_[gi].defined()) throw std::runtime_error("Program error: reducing gradients of layer " +
+                                                          std::to_string(gi) + " before its backward");
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < dp_; ++r) parts.push_back(full_to_shard(gi, gradg_[gi], r));
+      auto input = at::cat(parts);
+      auto out = at::empty({g.shard_numel}, input.options());
+      comm_.reduce_scatter(out, input, in.purpose)->wait();
+      grad_acc_.narrow(0, group_shard_offset_[gi], g.shard_numel).add_(out.to(at::kFloat), scale_for_average());
+      drop_group_grad(gi);
+    }
+  }
+
+  void reduce_to_owners(at::Tensor& buf, const Instruction& in) {
+    // A bucket's owners hold uneven intersections of it (DeepSpeed's average_tensor).
+    const auto& b = part_.grad_buckets[in.bucket];
+    std::vector<std::pair<int64_t, int64_t>> owners;
+    for (const Range& r : b.sub_shards) owners.push_back({r.begin - b.range.begin, r.count});
+    comm_.reduce_to_owners(buf, owners, in.purpose)->wait();
+  }
+
+  // dp == 1 has no reduction instructions: local gradients are the reduced gradients.
+  void fold_full(const Range& r, const at::Tensor& buf) {
+    if (stage_ == 0) {
+      grad_acc_.narrow(0, r.begin, r.count).add_(buf.to(at::kFloat), scale_for_average());
+      return;
+    }
+    const Range shard = part_.shard(rank_);
+    const int64_t b = std::max(r.begin, shard.begin), e = std::min(r.end(), shard.end());
+    if (e > b)
+      grad_acc_.narrow(0, b - shard.begin, e - b)
+          .add_(buf.narrow(0, b - r.begin, e - b).to(at::kFloat), scale_for_average());
+  }
+
+  void drop_group_grad(int g) {
+    for (int v : group_units_[g]) p16_[v].mutable_grad() = at::Tensor();
+    gradg_[g] = at::Tensor();
+    grad_dirty_[g] = false;
+  }
+
+  void fold_unreduced() {
+    bool any = false;
+    for (bool d : grad_dirty_) any = any || d;
+    if (!any) return;
+    if (dp_ > 1) throw std::runtime_error("Program error: gradients left unreduced at the optimizer step");
+    if (stage_ <= 2) {
+      for (size_t k = 0; k < part_.grad_buckets.size(); ++k)
+        if (grad_dirty_[k]) {
+          const auto& r = part_.grad_buckets[k].range;
+          auto buf = grad16_.narrow(0, r.begin, r.count);
+          fold_full(r, buf);
+          buf.zero_();
+          grad_dirty_[k] = false;
+        }
+    } else {
+      for (int g = 0; g < int(grad_dirty_.size()); ++g)
+        if (grad_dirty_[g]) {
+          grad_acc_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
+              .add_(full_to_shard(g, gradg_[g], 0).to(at::kFloat));
+          drop_group_grad(g);
+        }
+    }
+  }
+
+  void gather_params(const Instruction& in) {
+    if (stage_ == 0) throw std::runtime_error("Program error: parameter all-gather under ZeRO-0");
+    if (stage_ <= 2) {
+      const int k = in.bucket;
+      if (k < 0 || k >= int(part_.allgather_buckets.size()))
+        throw std::runtime_error("Program error: all-gather bucket " + std::to_string(k) + " does not exist");
+      const auto& b = part_.allgather_buckets[k];
+      check_bytes(in, double(b.count_per_rank) * dp_ * elt16());
+      auto mine = flat16_.narrow(0, part_.shard(rank_).begin + b.shard_offset, b.count_per_rank).clone();
+      auto out = at::empty({b.count_per_rank * dp_}, mine.options());
+      comm_.all_gather(out, mine, in.purpose)->wait();
+      auto rows = out.view({dp_, b.count_per_rank});
+      at::NoGradGuard ng;
+      for (int r = 0; r < dp_; ++r)
+        flat16_.narrow(0, part_.shard(r).begin + b.shard_offset, b.count_per_rank).copy_(rows[r]);
+    } else {
+      if (in.bucket < 0 || in.bucket >= int(part_.stage3_groups.size()))
+        throw std::runtime_error("Program error: ZeRO-3 all-gather of group " + std::to_string(in.bucket));
+      gather_group(in.bucket, &in);
+    }
+  }
+
+  void gather_group(int gi, const Instruction* in) {
+    const auto& g = part_.stage3_groups[gi];
+    if (in) check_bytes(*in, double(g.padded_numel()) * elt16());
+    auto mine = shard16_.narrow(0, group_shard_offset_[gi], g.shard_numel);
+    auto out = at::empty({g.padded_numel()}, mine.options());
+    if (in) comm_.all_gather(out, mine, in->purpose)->wait();
+    else if (dp_ == 1) out.copy_(mine);
+    else comm_.all_gather(out, mine, Purpose::None)->wait();
+    at::NoGradGuard ng;
+    reallocate_storage(full16_[gi], size_t(g.numel) * size_t(elt16()));
+    gathered_to_full(gi, out, full16_[gi]);
+    gathered_[gi] = true;
+  }
+
+  double elt16() const { return double(at::elementSize(dtype_)); }
+
+  void check_bytes(const Instruction& in, double engine_bytes) {
+    if (in.bytes > 0 && std::abs(in.bytes - engine_bytes) > 0.5)
+      throw std::runtime_error("Program/engine mismatch: " + std::string(to_string(in.op)) + " bucket " +
+                               std::to_string(in.bucket) + " is " + std::to_string(in.bytes) +
+                               " bytes in the Program, " + std::to_string(engine_bytes) + " in the engine layout");
+  }
+
+  // ---- optimizer ----------------------------------------------------------------------------
+  void optimizer_step() {
+    at::NoGradGuard ng;
+    fold_unreduced();
+    const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
+                        o_.overflow_steps.end();
+    if (inject) grad_acc_.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
+    const double inv_scale = 1.0 / scaler_.scale();
+    // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else.
+    auto sumsq = grad_acc_.pow(2).sum().mul_(inv_scale * inv_scale).reshape({1});
+    if (stage_ >= 1 && dp_ > 1) comm_.allreduce(sumsq, Purpose::None)->wait();
+    const double norm2 = sumsq.item<double>();
+    const bool overflow = !std::isfinite(norm2);
+    step_scale_ = scaler_.scale();
+    step_skipped_ = false;
+    if (overflow && fp16_) {
+      step_skipped_ = true;
+      scaler_.update(true);  // throws at the minimum scale, with DeepSpeed's message
+      grad_acc_.zero_();
+      return;
+    }
+    if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
+    double coef = inv_scale;
+    const double clip = sc_.training.gradient_clipping;
+    if (clip > 0) {
+      const double norm = std::sqrt(norm2);
+      if (norm > clip) coef *= clip / (norm + 1e-6);
+    }
+    at::Tensor g = grad_acc_;
+    if (offload_ && dev_.is_cuda()) g = grad_acc_.to(state_device_);
+    if (coef != 1.0) g.mul_(coef);
+    adam_step_ += 1;
+    const auto& opt = sc_.optimizer;
+    const double lr = opt.lr, b1 = opt.beta1, b2 = opt.beta2;
+    // torch.optim.AdamW, written out on the flat shard.
+    master_.mul_(1.0 - lr * opt.weight_decay);
+    exp_avg_.lerp_(g, 1.0 - b1);
+    exp_avg_sq_.mul_(b2).addcmul_(g, g, 1.0 - b2);
+    const double bc1 = 1.0 - std::pow(b1, double(adam_step_)), bc2 = 1.0 - std::pow(b2, double(adam_step_));
+    auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt.eps);
+    master_.addcdiv_(exp_avg_, denom, -lr / bc1);
+    grad_acc_.zero_();
+    if (fp16_) scaler_.update(false);
+    publish_master();
+  }
+
+  // The updated master shard -> this rank's 16-bit copy (the Program's all-gathers send the rest).
+  void publish_master() {
+    at::NoGradGuard ng;
+    if (stage_ == 0) flat16_.copy_(master_);
+    else if (stage_ <= 2) flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel).copy_(master_);
+    else shard16_.copy_(master_);
+  }
+
+  // ---- checkpoints --------------------------------------------------------------------------
+  static void write_tensor(std::ofstream& out, const at::Tensor& t) {
+    auto c = t.to(at::kCPU).contiguous();
+    int64_t n = c.numel() * int64_t(c.element_size());
+    out.write(reinterpret_cast<const char*>(&n), sizeof n);
+    out.write(static_cast<const char*>(c.data_ptr()), n);
+  }
+  static void read_tensor(std::ifstream& in, at::Tensor& t, const std::string& file) {
+    int64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), sizeof n);
+    if (!in || n != t.numel() * int64_t(t.element_size()))
+      throw std::runtime_error("checkpoint " + file + ": tensor size does not match this run's layout");
+    auto c = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(false));
+    in.read(static_cast<char*>(c.data_ptr()), n);
+    if (!in) throw std::runtime_error("checkpoint " + file + " is truncated");
+    t.copy_(c);
+  }
+  std::string rank_file(const fs::path& dir) const { return (dir / ("rank" + std::to_string(rank_) + ".bin")).string(); }
+
+  void save_checkpoint() {
+    at::NoGradGuard ng;
+    const fs::path root(o_.checkpoint_dir);
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%06lld", (long long)step_);
+    const fs::path dir = root / name;
+    fs::create_directories(dir);
+    const std::string file = rank_file(dir), tmp = file + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      const auto s = scaler_.state();
+      out.write(reinterpret_cast<const char*>(&step_), sizeof step_);
+      out.write(reinterpret_cast<const char*>(&adam_step_), sizeof adam_step_);
+      out.write(reinterpret_cast<const char*>(&s), sizeof s);
+      write_tensor(out, master_);
+      write_tensor(out, exp_avg_);
+      write_tensor(out, exp_avg_sq_);
+      out.flush();
+      if (!out) throw std::runtime_error("cannot write checkpoint " + tmp);
+    }
+    fs::rename(tmp, file);
+    comm_.barrier();  // every shard is in place before the manifest names the step
+    if (rank_ == 0) {
+      nlohmann::json m = {{"step", step_}, {"world", dp_}, {"zero_stage", stage_},
+                          {"dtype", to_string(sc_.precision.dtype)}, {"dir", std::string(name)},
+                          {"padded_numel", part_.padded_numel}};
+      const auto mf = root / "manifest.json", mtmp = root / "manifest.json.tmp";
+      { std::ofstream out(mtmp); out << m.dump(2) << "\n"; }
+      fs::rename(mtmp, mf);
+    }
+    comm_.barrier();
+  }
+
+  void load_checkpoint() {
+    at::NoGradGuard ng;
+    const fs::path root(o_.checkpoint_dir), mf = root / "manifest.json";
+    std::ifstream in(mf);
+    if (!in) throw std::invalid_argument("--resume: no checkpoint manifest at " + mf.string());
+    nlohmann::json m = nlohmann::json::parse(in);
+    const int world = m.at("world"), stage = m.at("zero_stage");
+    if (world != dp_ || stage != stage_)
+      throw std::invalid_argument("--resume: the checkpoint in " + root.string() + " was written by " +
+                                  std::to_string(world) + " ranks with ZeRO stage " + std::to_string(stage) +
+                                  "; this run has " + std::to_string(dp_) + " ranks with stage " +
+                                  std::to_string(stage_) +
+                                  ". Resuming with a different world size or stage is not supported.");
+    if (m.at("padded_numel").get<int64_t>() != part_.padded_numel)
+      throw std::invalid_argument("--resume: the checkpoint is of a different model");
+    const std::string file = rank_file(root / m.at("dir").get<std::string>());
+    std::ifstream f(file, std::ios::binary);
+    if (!f) throw std::runtime_error("--resume: missing shard " + file);
+    DynamicLossScaler::State s;
+    int64_t step = 0;
+    f.read(reinterpret_cast<char*>(&step), sizeof step);
+    f.read(reinterpret_cast<char*>(&adam_step_), sizeof adam_step_);
+    f.read(reinterpret_cast<char*>(&s), sizeof s);
+    if (step != m.at("step").get<int64_t>()) throw std::runtime_error("--resume: shard " + file + " is of another step");
+    read_tensor(f, master_, file);
+    read_tensor(f, exp_avg_, file);
+    read_tensor(f, exp_avg_sq_, file);
+    scaler_.restore(s);
+    step_ = step;
+    publish_master();
+    // Every rank's 16-bit copy is whole again (stages 1/2: all-gather the shards, uncounted).
+    if (stage_ >= 1 && stage_ <= 2 && dp_ > 1) {
+      auto mine = flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel).clone();
+      comm_.all_gather(flat16_, mine, Purpose::None)->wait();
+    }
+  }
+
+  void dump_params() {
+    at::NoGradGuard ng;
+    at::Tensor full;
+    if (stage_ == 0) full = master_.to(at::kCPU);
+    else if (stage_ <= 2) {
+      auto mine = master_.to(dev_).contiguous();
+      full = at::empty({part_.padded_numel}, mine.options());
+      comm_.all_gather(full, mine, Purpose::None)->wait();
+      full = full.to(at::kCPU);
+    } else {
+      std::vector<at::Tensor> groups;
+      for (int gi = 0; gi < int(part_.stage3_groups.size()); ++gi) {
+        const auto& g = part_.stage3_groups[gi];
+        auto mine = master_.narrow(0, group_shard_offset_[gi], g.shard_numel).to(dev_).contiguous();
+        auto out = at::empty({g.padded_numel()}, mine.options());
+        comm_.all_gather(out, mine, Purpose::None)->wait();
+        auto f = at::empty({g.numel}, mine.options());
+        gathered_to_full(gi, out, f);
+        groups.push_back(f.to(at::kCPU));
+      }
+      full = at::cat(groups);
+    }
+    if (rank_ != 0) return;
+    full = full.narrow(0, 0, part_.numel).contiguous();
+    std::ofstream out(o_.dump_params, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
+  }
+
+  // ---- the step -----------------------------------------------------------------------------
+  static double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  void sync() {
+#ifdef DSSIM_HAVE_CUDA
+    if (dev_.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  }
+
+  // Stage 3: for instruction i and unit u, whether u is used again (forward / backward) before the
+  // Program gathers it again: then it stays resident.
+  // Stage 3: for instruction i and group g, whether g is used again (forward / backward) before
+  // the Program gathers it again: then it stays resident. Groups the Program never gathers (dp = 1
+  // has no data-parallel group) are gathered once and kept.
+  void plan_residency(const RankProgram& rp) {
+    if (stage_ < 3) return;
+    const int n = int(rp.instructions.size()), G = int(part_.stage3_groups.size());
+    keep_after_use_.assign(n, std::vector<bool>(G, false));
+    std::vector<int> next(G, 0);  // 0 none, 1 use, 2 gather
+    auto visit = [&](int i, bool record) {
+      const auto& in = rp.instructions[i];
+      if (in.op == Op::Forward || in.op == Op::Backward) {
+        const auto gs = groups_of(in);
+        if (record) for (int g : gs) keep_after_use_[i][g] = next[g] == 1;
+        for (int g : gs) next[g] = 1;
+      } else if (in.op == Op::AllGather && in.purpose == Purpose::ParamGather && in.bucket >= 0 && in.bucket < G) {
+        next[in.bucket] = 2;
+      }
+    };
+    // The step repeats: after the last instruction comes the first event of the next step.
+    for (int i = n - 1; i >= 0; --i) visit(i, false);
+    for (int i = n - 1; i >= 0; --i) visit(i, true);
+    for (int g = 0; g < G; ++g) {
+      bool gathered_ever = false;
+      for (const auto& in : rp.instructions)
+        if (in.op == Op::AllGather && in.purpose == Purpose::ParamGather && in.bucket == g) gathered_ever = true;
+      if (!gathered_ever) {
+        persistent_.push_back(g);
+        for (auto& row : keep_after_use_) row[g] = true;
+      }
+    }
+  }
+
+  void execute(const RankProgram& rp) {
+    for (pc_ = 0; pc_ < rp.instructions.size(); ++pc_) {
+      const Instruction& in = rp.instructions[pc_];
+      const bool timed = measuring_;
+      auto t0 = Clock::now();
+      const double rc0 = recompute_seconds_;
+      for (int rep = 0; rep < std::max(1, in.repeat); ++rep) {
+        switch (in.op) {
+          case Op::Forward: forward(in); after_use(in); break;
+          case Op::Backward: backward(in); after_use(in); break;
+          case Op::Recompute: break;  // done inside Backward (recompute-then-backward per layer)
+          case Op::OptimizerStep:
+          case Op::HostOptimizerStep: optimizer_step(); break;
+          case Op::AllReduce:
+          case Op::ReduceScatter:
+            if (in.purpose == Purpose::GradientReduce) reduce_gradients(in);
+            else throw std::runtime_error(std::string("torch backend: unsupported collective purpose ") + to_string(in.purpose));
+            break;
+          case Op::AllGather:
+            if (in.purpose == Purpose::ParamGather) gather_params(in);
+            else throw std::runtime_error(std::string("torch backend: unsupported all-gather purpose ") + to_string(in.purpose));
+            break;
+          case Op::CopyD2H:
+          case Op::CopyH2D: break;  // offload copies happen inside the host optimizer step
+          default:
+            throw std::runtime_error(std::string("torch backend: instruction ") + to_string(in.op) +
+                                     " is not supported (data parallelism only)");
+        }
+      }
+      if (timed) {
+        sync();
+        const double dt = seconds_since(t0);
+        const double rc = recompute_seconds_ - rc0;
+        seconds_by_op_[to_string(in.op)] += dt - rc;
+        if (rc > 0) seconds_by_op_["recompute"] += rc;
+        if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D)
+          expected_[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
+      }
+    }
+  }
+
+  double peak_memory_bytes() {
+#ifdef DSSIM_HAVE_CUDA
+    if (dev_.is_cuda()) {
+      auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev_.index());
+      return double(stats.allocated_bytes[0].peak);
+    }
+#endif
+    std::ifstream st("/proc/self/status");
+    std::string line;
+    while (std::getline(st, line))
+      if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+    return 0;
+  }
+
+  static double bytes(const at::Tensor& t) { return t.defined() ? double(t.numel() * t.element_size()) : 0; }
+
+  const Scenario& sc_;
+  const Program& program_;
+  Communicator& comm_;
+  EngineOptions o_;
+  torch::Device dev_;
+  torch::Device state_device_ = torch::Device(torch::kCPU);
+  GptConfig cfg_;
+  int stage_, dp_, rank_;
+  at::ScalarType dtype_;
+  bool fp16_;
+  DynamicLossScaler scaler_;
+  DataSource data_;
+  int micro_batch_ = 1, grad_accum_ = 1;
+  bool checkpoint_activations_ = false, offload_ = false;
+  ZeroPartition part_;
+  std::vector<int> first_tensor_;
+  std::vector<at::Tensor> p16_;
+  std::vector<bool> gathered_;
+  at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
+  std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
+  std::vector<std::vector<int>> group_units_;
+  std::vector<int64_t> unit_group_offset_;
+  std::vector<int64_t> group_shard_offset_;
+  std::vector<bool> grad_dirty_;
+  std::vector<std::vector<bool>> keep_after_use_;
+  std::vector<int> persistent_;
+  std::map<int, MicroBatchState> mbs_;
+  std::map<int, at::Tensor> pending_grad_;
+  at::Tensor loss_sum_;
+  int64_t step_ = 0, adam_step_ = 0;
+  size_t pc_ = 0;
+  double step_scale_ = 1;
+  bool step_skipped_ = false, measuring_ = false;
+  double recompute_seconds_ = 0;
+  std::map<std::string, double> seconds_by_op_, expected_;
+};
+
+EngineResult Engine::run() {
+  EngineResult res;
+  const RankProgram& rp = program_.ranks[rank_];
+  plan_residency(rp);
+  if (o_.resume) load_checkpoint();
+  for (int g : persistent_) gather_group(g, nullptr);
+  res.first_step = step_ + 1;
+  const int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
+  const double static_bytes = peak_memory_bytes();
+  int done = 0;
+  while (step_ < o_.steps) {
+    if (rank_ == o_.kill_rank && step_ + 1 == o_.kill_at_step) {
+      std::fprintf(stderr, "rank %d: killing itself at step %lld (test hook)\n", rank_, (long long)step_ + 1);
+      std::fflush(stderr);
+      ::kill(::getpid(), SIGKILL);
+    }
+    measuring_ = done >= warm;
+    if (measuring_ && done == warm) comm_.reset_counters();
+    loss_sum_ = at::Tensor();
+    sync();
+    auto t0 = Clock::now();
+    execute(rp);
+    sync();
+    const double dt = seconds_since(t0);
+    step_ += 1;
+    done += 1;
+    // Mean loss over micro-batches and ranks (control traffic, not the Program's).
+    auto loss = (loss_sum_.defined() ? loss_sum_ : at::zeros({1}, at::TensorOptions().device(dev_)))
+                    .to(at::kFloat).reshape({1}) / double(grad_accum_);
+    if (dp_ > 1) {
+      auto l = loss.clone();
+      comm_.allreduce(l, Purpose::None)->wait();
+      loss = l / double(dp_);
+    }
+    const double lv = loss.item<double>();
+    res.losses.push_back(lv);
+    res.loss_scales.push_back(step_scale_);
+    res.skipped.push_back(step_skipped_);
+    if (measuring_) res.step_seconds.push_back(dt);
+    if (o_.progress && rank_ == 0) {
+      std::fprintf(stderr, "step %lld/%d  loss %.6f  %s%.3f s%s\n", (long long)step_, o_.steps, lv,
+                   fp16_ ? ("scale " + std::to_string(int64_t(step_scale_)) + "  ").c_str() : "", dt,
+                   step_skipped_ ? "  (skipped: overflow)" : "");
+      std::fflush(stderr);
+    }
+    if (!o_.checkpoint_dir.empty() && o_.save_every > 0 && step_ % o_.save_every == 0 && step_ < o_.steps)
+      save_checkpoint();
+  }
+  if (!o_.checkpoint_dir.empty()) save_checkpoint();
+  if (!o_.dump_params.empty()) dump_params();
+  res.measured_steps = int(res.step_seconds.size());
+  res.seconds_by_op = seconds_by_op_;
+  res.comm = comm_.counters();
+  res.expected_bytes = expected_;
+  // Memory by category: the engine's own buffers, and the rest of the peak as activations and
+  // temporaries.
+  double params = 0, grads = bytes(grad16_) + bytes(grad_acc_), optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_);
+  if (stage_ <= 2) params = bytes(flat16_);
+  else {
+    params = bytes(shard16_);
+    for (int g : persistent_) params += double(part_.stage3_groups[g].numel) * elt16();
+  }
+  auto& m = res.memory_bytes;
+  m["params"] = params;
+  m["grads"] = grads;
+  if (offload_) m["host_optimizer"] = optim;
+  else m["optimizer"] = optim;
+  const double peak = peak_memory_bytes();
+  m["peak"] = peak;
+  m["activations_and_temporaries"] = std::max(0.0, peak - std::max(static_bytes, params + grads + (offload_ ? 0 : optim)));
+  m["measured_by"] = 0;
+  m.erase("measured_by");
+  return res;
+}
+
+}  // namespace
+
+ZeroPartition engine_partition(const Scenario& sc) {
+  return make_zero_partition(partition_spec(GptConfig::from(sc.model), sc.zero, sc.parallel.dp));
+}
+
+EngineResult train(const Scenario& sc, const Program& program, Communicator& comm,
+                   const EngineOptions& opts, const torch::Device& device) {
+  Engine e(sc, program, comm, opts, device);
+  return e.run();
+}
+
+}  // namespace dssim::tb

@@ -1,0 +1,364 @@
+// Rendezvous, local rank spawning, and the measured Report.
+#include "backends/torch/run.hpp"
+#include <algorithm>
+#include <arpa/inet.h>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include "backends/torch/comm.hpp"
+#include "backends/torch/engine.hpp"
+#include "backends/torch/loss_scaler.hpp"
+#include "backends/torch/torch_compat.hpp"
+#include "core/program_builder.hpp"
+#include "core/report.hpp"
+#include "core/scenario_loader.hpp"
+#ifdef DSSIM_HAVE_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace dssim::tb {
+namespace {
+
+class LocalWork final : public Work {
+ public:
+  void wait() override {}
+};
+
+// One rank: every collective is the identity.
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator() : Communicator(0, 1) {}
+  std::string name() const override { return "local"; }
+  std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) override {
+    count(Op::AllReduce, p, double(t.numel() * t.element_size()));
+    return std::make_shared<LocalWork>();
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    count(Op::ReduceScatter, p, double(in.numel() * in.element_size()));
+    out.copy_(in.view(out.sizes()));
+    return std::make_shared<LocalWork>();
+  }
+  std::shared_ptr<Work> all_gather(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    count(Op::AllGather, p, double(out.numel() * out.element_size()));
+    out.copy_(in.view(out.sizes()));
+    return std::make_shared<LocalWork>();
+  }
+  std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const std::vector<std::pair<int64_t, int64_t>>&,
+                                         Purpose p) override {
+    count(Op::ReduceScatter, p, double(buf.numel() * buf.element_size()));
+    return std::make_shared<LocalWork>();
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor&, int, Purpose) override { return std::make_shared<LocalWork>(); }
+  void barrier() override {}
+};
+
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+std::string env_str(const char* name, const std::string& dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : dflt;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Report make_report(const Scenario& sc, const Program& program, const EngineResult& res,
+                   const RunOptions& o, const std::string& comm_name) {
+  Report r;
+  r.backend = o.backend;
+  r.iteration_seconds = median(res.step_seconds);
+  fill_throughput(sc, r);
+  r.losses = res.losses;
+  r.wire_bytes_per_rank = wire_bytes_by_purpose(program, 0);
+  const double n = std::max(1, res.measured_steps);
+  auto sec = [&](const char* k) {
+    auto it = res.seconds_by_op.find(k);
+    return it == res.seconds_by_op.end() ? 0.0 : it->second / n;
+  };
+  r.time.forward = sec("forward");
+  r.time.backward = sec("backward");
+  r.time.recompute = sec("recompute");
+  r.time.optimizer = sec("optimizer_step") + sec("host_optimizer_step");
+  // Collectives run blocking here, so all of their time is exposed.
+  r.time.exposed_dp = sec("all_reduce") + sec("reduce_scatter") + sec("all_gather");
+  auto mem = [&](const char* k) {
+    auto it = res.memory_bytes.find(k);
+    return it == res.memory_bytes.end() ? 0.0 : it->second;
+  };
+  r.memory.params = mem("params");
+  r.memory.grads = mem("grads");
+  r.memory.optimizer = mem("optimizer");
+  r.memory.host = mem("host_optimizer");
+  r.memory.activations = mem("activations_and_temporaries");
+  nlohmann::json measured;
+  nlohmann::json bytes = nlohmann::json::object(), calls = nlohmann::json::object();
+  for (const auto& [k, v] : res.comm.bytes) bytes[counter_key(k.first, k.second)] = v / n;
+  for (const auto& [k, v] : res.comm.calls) calls[counter_key(k.first, k.second)] = double(v) / n;
+  nlohmann::json expected = nlohmann::json::object();
+  for (const auto& [k, v] : res.expected_bytes) expected[k] = v / n;
+  nlohmann::json secs = nlohmann::json::object();
+  for (const auto& [k, v] : res.seconds_by_op) secs[k] = v / n;
+  measured["communicator"] = comm_name;
+  measured["bytes_per_iteration"] = bytes;             // size bytes per collective kind / purpose
+  measured["calls_per_iteration"] = calls;
+  measured["expected_bytes_per_iteration"] = expected;  // the Program's, same keys
+  measured["seconds_per_iteration_by_instruction"] = secs;
+  measured["step_seconds"] = res.step_seconds;
+  measured["measured_steps"] = res.measured_steps;
+  measured["first_step"] = res.first_step;
+  measured["loss_scales"] = res.loss_scales;
+  std::vector<int> skipped;
+  for (size_t i = 0; i < res.skipped.size(); ++i)
+    if (res.skipped[i]) skipped.push_back(int(res.first_step + i));
+  measured["skipped_steps"] = skipped;
+  measured["memory_bytes"] = res.memory_bytes;
+  measured["flash_attention"] = flash_attention_available();
+  measured["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+  r.extras["measured"] = measured;
+  return r;
+}
+
+std::string text_extras(const Report& r) {
+  const auto& m = r.extras["measured"];
+  std::ostringstream s;
+  char buf[256];
+  s << "\nmeasured (" << m["communicator"].get<std::string>() << ", " << m["measured_steps"].get<int>()
+    << " steps after warm-up):\n";
+  s << "  time per instruction kind (s/iteration):\n";
+  for (auto it = m["seconds_per_iteration_by_instruction"].begin(); it != m["seconds_per_iteration_by_instruction"].end(); ++it) {
+    std::snprintf(buf, sizeof buf, "    %-22s %10.4f\n", it.key().c_str(), it.value().get<double>());
+    s << buf;
+  }
+  s << "  bytes per collective (size bytes/iteration, measured vs Program):\n";
+  std::set<std::string> keys;
+  for (auto it = m["bytes_per_iteration"].begin(); it != m["bytes_per_iteration"].end(); ++it) keys.insert(it.key());
+  for (auto it = m["expected_bytes_per_iteration"].begin(); it != m["expected_bytes_per_iteration"].end(); ++it) keys.insert(it.key());
+  for (const auto& k : keys) {
+    const double a = m["bytes_per_iteration"].value(k, 0.0), e = m["expected_bytes_per_iteration"].value(k, 0.0);
+    std::snprintf(buf, sizeof buf, "    %-36s %14.0f %14.0f%s\n", k.c_str(), a, e,
+                  k.find("/none") != std::string::npos ? "  (control: norm / loss)" : "");
+    s << buf;
+  }
+  s << "  memory (bytes): ";
+  for (auto it = m["memory_bytes"].begin(); it != m["memory_bytes"].end(); ++it)
+    s << it.key() << "=" << std::llround(it.value().get<double>()) << " ";
+  s << "\n  loss curve:";
+  const auto first = m["first_step"].get<int64_t>();
+  for (size_t i = 0; i < r.losses.size(); ++i) {
+    std::snprintf(buf, sizeof buf, " %lld:%.4f", (long long)(first + int64_t(i)), r.losses[i]);
+    s << buf;
+  }
+  s << "\n";
+  return s.str();
+}
+
+}  // namespace
+
+int env_world_size() { return env_int("WORLD_SIZE", 1); }
+bool env_has_rank() { return std::getenv("RANK") != nullptr; }
+
+int run_rank(const Scenario& sc, const RunOptions& o) {
+  const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
+  const int local_rank = env_int("LOCAL_RANK", rank), local_world = env_int("LOCAL_WORLD_SIZE", world);
+  try {
+    torch::Device device(torch::kCPU);
+    if (o.backend == "cuda") {
+#ifdef DSSIM_HAVE_CUDA
+      if (!torch::cuda::is_available() || int(torch::cuda::device_count()) <= local_rank) {
+        std::fprintf(stderr, "dssim run: --backend cuda needs a CUDA GPU for local rank %d, but %d are visible\n",
+                     local_rank, int(torch::cuda::device_count()));
+        return 1;
+      }
+      device = torch::Device(torch::kCUDA, local_rank);
+      c10::cuda::set_device(local_rank);
+#else
+      std::fprintf(stderr, "dssim run: --backend cuda: this dssim was built without CUDA (configure with "
+                           "-DDSSIM_WITH_CUDA=ON against a CUDA libtorch); use --backend cpu\n");
+      return 1;
+#endif
+    } else if (o.backend != "cpu") {
+      std::fprintf(stderr, "dssim run: --backend must be cuda or cpu (got '%s')\n", o.backend.c_str());
+      return 2;
+    } else {
+      const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+      at::set_num_threads(std::max(1, hw / std::max(1, local_world)));
+      if (const char* t = std::getenv("DSSIM_CPU_THREADS")) at::set_num_threads(std::max(1, std::atoi(t)));
+    }
+    const auto timeout = std::chrono::milliseconds(int64_t(o.timeout_seconds * 1000));
+    std::unique_ptr<Communicator> comm;
+    c10::intrusive_ptr<c10d::Store> store;
+    if (world > 1) {
+      c10d::TCPStoreOptions so;
+      so.port = uint16_t(env_int("MASTER_PORT", 29500));
+      so.isServer = rank == 0;
+      so.numWorkers = world;
+      so.timeout = timeout;
+      store = c10::make_intrusive<c10d::TCPStore>(env_str("MASTER_ADDR", "127.0.0.1"), so);
+      if (device.is_cuda()) {
+#ifdef DSSIM_HAVE_NCCL
+        comm = make_nccl_communicator(store, rank, world, local_rank, timeout);
+#else
+        throw std::runtime_error("several CUDA ranks need the NCCL communicator (DSSIM_WITH_CUDA=ON)");
+#endif
+      } else {
+#ifdef DSSIM_HAVE_GLOO
+        comm = make_gloo_communicator(store, rank, world, timeout);
+#else
+        throw std::runtime_error("several CPU ranks need the gloo communicator (libgloo-dev headers)");
+#endif
+      }
+    } else {
+      comm = std::make_unique<LocalCommunicator>();
+    }
+    const Program program = build_program(sc);
+    EngineOptions eo;
+    eo.steps = o.steps;
+    eo.data_path = o.data_path;
+    eo.checkpoint_dir = o.checkpoint_dir;
+    eo.save_every = o.save_every;
+    eo.resume = o.resume;
+    eo.warmup_steps = o.warmup_steps;
+    eo.progress = o.progress;
+    eo.kill_rank = o.kill_rank;
+    eo.kill_at_step = o.kill_at_step;
+    eo.overflow_steps = o.overflow_steps;
+    eo.dump_params = o.dump_params;
+    const EngineResult res = train(sc, program, *comm, eo, device);
+    if (rank == 0) {
+      const Report r = make_report(sc, program, res, o, comm->name());
+      if (o.json) std::cout << report_json(sc, r).dump(2) << std::endl;
+      else std::cout << report_text(sc, r, o.verbose) << text_extras(r) << std::flush;
+    }
+    comm->barrier();
+    return 0;
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 2;
+  } catch (const LossScaleAtMinimum& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 1;
+  } catch (const CommError& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+}
+
+int spawn_local_ranks(int nproc, double timeout_seconds) {
+  std::vector<std::string> args;
+  {
+    std::ifstream in("/proc/self/cmdline", std::ios::binary);
+    std::string a;
+    while (std::getline(in, a, '\0')) args.push_back(a);
+  }
+  std::vector<std::string> kept;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--nproc") { ++i; continue; }
+    if (args[i].rfind("--nproc=", 0) == 0) continue;
+    kept.push_back(args[i]);
+  }
+  // A free port for the TCPStore.
+  int port = 29500;
+  {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof a;
+    if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      port = ntohs(a.sin_port);
+    if (fd >= 0) ::close(fd);
+  }
+  std::vector<char*> argv;
+  for (auto& s : kept) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids(nproc, -1);
+  for (int r = 0; r < nproc; ++r) {
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      std::perror("dssim run: fork");
+      for (pid_t p : pids) if (p > 0) ::kill(p, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::execv("/proc/self/exe", argv.data());
+      std::perror("dssim run: exec");
+      ::_exit(1);
+    }
+    pids[r] = pid;
+  }
+  using Clock = std::chrono::steady_clock;
+  int worst = 0, alive = nproc;
+  bool deadline_set = false;
+  Clock::time_point deadline;
+  while (alive > 0) {
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      const int r = int(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+      if (r >= nproc) continue;
+      pids[r] = -1;
+      --alive;
+      int code = 0;
+      if (WIFEXITED(status)) code = WEXITSTATUS(status);
+      else if (WIFSIGNALED(status)) {
+        std::fprintf(stderr, "dssim run: rank %d was killed by signal %d\n", r, WTERMSIG(status));
+        code = 1;
+      }
+      if (code != 0) {
+        if (code == 2 || worst == 0) worst = std::max(worst, code);
+        if (!deadline_set) {
+          deadline_set = true;
+          deadline = Clock::now() + std::chrono::milliseconds(int64_t(timeout_seconds * 1000) + 5000);
+        }
+      }
+      continue;
+    }
+    if (deadline_set && Clock::now() > deadline) {
+      for (int r = 0; r < nproc; ++r)
+        if (pids[r] > 0) {
+          std::fprintf(stderr, "dssim run: rank %d did not exit within the timeout after a rank failed; killing it\n", r);
+          ::kill(pids[r], SIGKILL);
+        }
+      worst = std::max(worst, 1);
+      deadline_set = false;
+      deadline = Clock::now() + std::chrono::hours(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return worst;
+}
+
+}  // namespace dssim::tb

@@ -1,0 +1,60 @@
+// The one place that knows which libtorch it is built against: Debian's 1.13 on CI (CPU only) and
+// pip torch 2.x (CUDA) on GPU machines. Everything version-dependent goes through here.
+#pragma once
+#include <torch/torch.h>
+#include <torch/version.h>
+#include <ATen/Context.h>
+#include <c10/core/StorageImpl.h>
+#include <cmath>
+#include <mutex>
+
+#define DSSIM_TORCH_AT_LEAST(maj, min) \
+  (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
+
+namespace dssim::tb {
+
+// softmax(q k^T / sqrt(d) + causal mask) v for q, k, v of shape [B, heads, S, d].
+// libtorch >= 2.0 has scaled_dot_product_attention (flash / memory-efficient kernels on GPUs);
+// 1.13 gets the plain composition, which autograd differentiates the same way.
+inline at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if DSSIM_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else
+  const int64_t s = q.size(-2);
+  const double scale = 1.0 / std::sqrt(double(q.size(-1)));
+  auto scores = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
+  auto mask = at::ones({s, s}, q.options().dtype(at::kBool)).triu_(1);
+  scores.masked_fill_(mask, -std::numeric_limits<float>::infinity());
+  auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v);
+#endif
+}
+
+inline bool flash_attention_available() { return DSSIM_TORCH_AT_LEAST(2, 0); }
+
+// A generator of `device`'s kind, seeded: initialisation is a function of the seed alone (per
+// device type), not of what ran before.
+inline at::Generator seeded_generator(const at::Device& device, uint64_t seed) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+  return gen;
+}
+
+// ZeRO-3 frees a gathered parameter's storage after use and refills the same storage before the
+// next use, so that tensors autograd saved (views of it) see the refilled data (DeepSpeed does the
+// same with param.data).
+inline void release_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+inline void reallocate_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == nbytes && s->data() != nullptr) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+inline bool storage_released(const at::Tensor& t) { return t.storage().nbytes() == 0; }
+
+}  // namespace dssim::tb
