@@ -322,7 +322,15 @@ std::vector<std::string> keys_of_section(const std::string& section) {
   std::string msg = origin + ": unknown key '" + key + "'";
   if (line > 0) msg += " at line " + std::to_string(line);
   else if (origin == "--set") msg += " (--set)";
-  const std::string near = closest(key, all_keys());
+  // the right key in the wrong section ("training.tp", or "tp" at top level), else the closest key
+  std::string near;
+  const std::string leaf = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
+  for (const auto& f : fields())
+    if (f.key.size() > leaf.size() && f.key.compare(f.key.size() - leaf.size() - 1, std::string::npos, "." + leaf) == 0) {
+      near = f.key;
+      break;
+    }
+  if (near.empty()) near = closest(key, all_keys());
   if (!near.empty()) {
     msg += "; did you mean '" + near + "'?";
   } else {
@@ -369,6 +377,9 @@ void flatten(const std::string& path, const YAML::Node& value, int key_line, con
   if (!find_field(path)) unknown_key(path, origin, key_line);
   Entry e{path, value, origin, key_line, ""};
   if (value.IsMap()) type_error(e, "a value");
+  if (auto prev = out.find(path); prev != out.end() && prev->second.origin == origin && origin != "--set")
+    throw ConfigError(origin + ": " + path + " is given twice, at line " + std::to_string(prev->second.line) +
+                      " and at line " + std::to_string(key_line) + "; keep one");
   out[path] = e;
 }
 

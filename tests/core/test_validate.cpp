@@ -25,6 +25,14 @@ TEST_CASE("unknown key: line and the closest valid key", "[validate]") {
   CHECK_THAT(load_error(tiny_yaml("  tp: 1\n  bananas: 3\n")),
              Contains("unknown key 'parallel.bananas' at line 7; valid keys in 'parallel': tp, pp, dp, ep"));
   CHECK_THAT(load_error("model: tiny\nfoo_bar_baz: 1\n"), Contains("valid top-level keys: name, description"));
+  // the right key in the wrong section
+  CHECK_THAT(load_error("model: tiny\ntraining:\n  tp: 2\n"), Contains("unknown key 'training.tp' at line 3; did you mean 'parallel.tp'?"));
+  CHECK_THAT(load_error("model: tiny\nlayers: 2\n"), Contains("unknown key 'layers' at line 2; did you mean 'model.layers'?"));
+}
+
+TEST_CASE("a key given twice in one file", "[validate]") {
+  CHECK_THAT(load_error("model: tiny\ntraining:\n  micro_batch: 1\n  micro_batch: 2\n"),
+             Contains("t.yaml: training.micro_batch is given twice, at line 3 and at line 4; keep one"));
 }
 
 TEST_CASE("wrong type: the key, its line and what was expected", "[validate]") {
@@ -50,8 +58,8 @@ TEST_CASE("wrong type: the key, its line and what was expected", "[validate]") {
 
 TEST_CASE("malformed YAML: yaml-cpp's line and column", "[validate]") {
   const std::string e = config_error([] { load_scenario(scenario_data("malformed.yaml")); });
-  CHECK_THAT(e, Contains("malformed.yaml: malformed YAML at line"));
-  CHECK_THAT(e, Contains("column"));
+  // the flow sequence opened on line 4 is found unclosed where line 5 starts
+  CHECK_THAT(e, Contains("malformed.yaml: malformed YAML at line 5, column") && Contains("end of sequence flow not found"));
   CHECK_THAT(load_error("model: tiny\n  bad indent: [\n"), Contains("t.yaml: malformed YAML at line 2"));
   CHECK_THAT(load_error(""), Contains("the scenario is empty"));
   CHECK_THAT(load_error("- a\n- b\n"), Contains("a scenario must be a YAML mapping"));
