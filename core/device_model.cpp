@@ -4,8 +4,9 @@
 
 namespace dssim {
 
-DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype)
+DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute)
     : cluster_(cluster),
+      recompute_(recompute),
       peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16) {}
 
 // Saturating curve: small GEMMs cannot fill the GPU's SMs (wave quantization, launch latency);
@@ -37,8 +38,30 @@ double DeviceModel::kernel_seconds(const LayerOp& op) const {
 double DeviceModel::compute_seconds(const Program& program, const Instruction& inst) const {
   const GpuSpec& g = cluster_.gpu;
   if (inst.ops >= 0 && inst.ops < static_cast<int>(program.op_lists.size())) {
+    // The op list holds the forward kernels; the phase says what runs (cf. model.hpp's
+    // backward_cost / recompute_cost): backward runs each GEMM twice (input and weight gradient)
+    // and moves twice the bytes in elementwise kernels; selective recompute re-runs the
+    // attention core only.
     double t = 0;
-    for (const LayerOp& op : program.op_lists[inst.ops]) t += kernel_seconds(op);
+    for (const LayerOp& op : program.op_lists[inst.ops]) {
+      switch (inst.op) {
+        case Op::Backward:
+          if (op.gemm) {
+            t += 2 * kernel_seconds(op);
+          } else {
+            LayerOp twice = op;
+            twice.memory_bytes *= 2;
+            twice.flops *= 2;
+            t += kernel_seconds(twice);
+          }
+          break;
+        case Op::Recompute:
+          if (recompute_ == Recompute::full || op.attention_core) t += kernel_seconds(op);
+          break;
+        default:
+          t += kernel_seconds(op);
+      }
+    }
     return t;
   }
   // No kernel list (optimizer step): a fused multi-tensor kernel, memory-bound in practice.

@@ -10,10 +10,11 @@ namespace dssim {
 
 class DeviceModel {
  public:
-  DeviceModel(const ClusterSpec& cluster, Dtype dtype);
+  DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute = Recompute::none);
 
   double kernel_seconds(const LayerOp& op) const;
   // Compute instruction on the GPU (Forward/Backward/Recompute/OptimizerStep), one repetition.
+  // Program::op_lists hold forward kernels; Backward and Recompute derive theirs from them.
   double compute_seconds(const Program& program, const Instruction& inst) const;
   // Host optimizer step: bound by host memory bandwidth shared by the node's GPUs.
   double host_seconds(const Instruction& inst) const;
@@ -26,6 +27,7 @@ class DeviceModel {
  private:
   double gemm_efficiency(double flops) const;
   ClusterSpec cluster_;
+  Recompute recompute_;
   double peak_;
 };
 

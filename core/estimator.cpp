@@ -14,8 +14,9 @@
 namespace dssim {
 
 std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program) {
-  const DeviceModel device(sc.cluster, sc.precision.dtype);
-  std::vector<double> op_list_seconds(program.op_lists.size(), -1.0);
+  const DeviceModel device(sc.cluster, sc.precision.dtype, sc.recompute);
+  // Seconds per (kernel list, phase): forward, backward, recompute.
+  std::vector<std::array<double, 3>> op_list_seconds(program.op_lists.size(), {-1.0, -1.0, -1.0});
   struct Key {
     int group; Op op; double bytes;
     bool operator==(const Key& o) const { return group == o.group && op == o.op && bytes == o.bytes; }
@@ -39,7 +40,8 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
         t = device.host_seconds(in);
       } else if (is_compute(in.op)) {
         if (in.ops >= 0) {
-          double& cached = op_list_seconds.at(in.ops);
+          const int phase = in.op == Op::Backward ? 1 : in.op == Op::Recompute ? 2 : 0;
+          double& cached = op_list_seconds.at(in.ops)[phase];
           if (cached < 0) cached = device.compute_seconds(program, in);
           t = cached;
         } else {
