@@ -1,0 +1,162 @@
+#include "simulator/collectives.hpp"
+
+#include <algorithm>
+#include <map>
+#include <simgrid/s4u.hpp>
+#include "core/collective_model.hpp"
+
+namespace sg4 = simgrid::s4u;
+
+namespace dssim::sim {
+
+double CollectivePlanner::route_latency(sg4::Host* a, sg4::Host* b) {
+  std::vector<sg4::Link*> links;
+  double lat = 0;
+  a->route_to(b, links, &lat);
+  return lat;
+}
+
+bool CollectivePlanner::is_closed_form(Op op, const std::vector<int>& ranks) const {
+  if (ranks.size() <= 1) return true;
+  if (!nvswitch_closed_form || cluster.intra_node != "nvswitch") return false;
+  const int node = platform.node_of(ranks[0]);
+  for (int r : ranks)
+    if (platform.node_of(r) != node) return false;
+  return true;
+}
+
+// A ring over `members` (in ring order): each member sends `volume_per_rank` bytes to its successor
+// over `steps` ring steps.
+void CollectivePlanner::ring(std::vector<Phase>& out, const std::vector<int>& members, double volume,
+                             int steps, double before, double after) const {
+  const size_t n = members.size();
+  if (n <= 1 || steps <= 0) {
+    Phase p;
+    p.before_seconds = before;
+    p.after_seconds = after;
+    out.push_back(p);
+    return;
+  }
+  std::vector<Flow> hop(n);
+  double alpha = 0;  // the slowest hop's route latency: what each extra ring step costs
+  for (size_t i = 0; i < n; ++i) {
+    auto [s, d] = platform.endpoints(members[i], members[(i + 1) % n]);
+    hop[i] = {s, d, 0};
+    alpha = std::max(alpha, route_latency(s, d));
+  }
+  if (detail == CollectiveDetail::Phase) {
+    Phase p;
+    p.before_seconds = before;
+    p.flows = hop;
+    for (auto& f : p.flows) f.bytes = volume;
+    p.after_seconds = (steps - 1) * alpha + after;
+    out.push_back(std::move(p));
+    return;
+  }
+  for (int s = 0; s < steps; ++s) {
+    Phase p;
+    if (s == 0) p.before_seconds = before;
+    p.flows = hop;
+    for (auto& f : p.flows) f.bytes = volume / steps;
+    if (s == steps - 1) p.after_seconds = after;
+    out.push_back(std::move(p));
+  }
+}
+
+CommPlan CollectivePlanner::collective(Op op, double bytes, const std::vector<int>& ranks) const {
+  CommPlan plan;
+  const int n = static_cast<int>(ranks.size());
+  if (n <= 1 || bytes <= 0) { plan.closed_form = true; return plan; }
+  if (is_closed_form(op, ranks)) {
+    plan.closed_form = true;
+    plan.seconds = collective_seconds(cluster, op, bytes, ranks);
+    return plan;
+  }
+  if (op == Op::AllToAll) {
+    Phase p;
+    const double chunk = bytes / n;
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) {
+        if (i == j) continue;
+        auto [s, d] = platform.endpoints(ranks[i], ranks[j]);
+        p.flows.push_back({s, d, chunk});
+      }
+    plan.phases.push_back(std::move(p));
+    return plan;
+  }
+  // Layout: members per node, in ring order.
+  std::map<int, std::vector<int>> by_node;
+  for (int r : ranks) by_node[platform.node_of(r)].push_back(r);
+  const int nodes = static_cast<int>(by_node.size());
+  size_t m = by_node.begin()->second.size();
+  bool uniform = true;
+  for (auto& [node, v] : by_node) uniform = uniform && v.size() == m;
+  const double frac = double(n - 1) / n;
+  if (nodes > 1 && m > 1 && uniform) {
+    // Hierarchical: intra-node closed form around one inter-node ring per rail.
+    const std::vector<int>& local0 = by_node.begin()->second;
+    const int nn = nodes;
+    const double nfrac = double(nn - 1) / nn;
+    const double shard = bytes / m;
+    double before = 0, after = 0;
+    double volume = 0;
+    int steps = 0;
+    switch (op) {
+      case Op::AllReduce:
+        before = collective_seconds(cluster, Op::ReduceScatter, bytes, local0);
+        after = collective_seconds(cluster, Op::AllGather, bytes, local0);
+        volume = 2 * nfrac * shard; steps = 2 * (nn - 1);
+        break;
+      case Op::ReduceScatter:
+        before = collective_seconds(cluster, Op::ReduceScatter, bytes, local0);
+        volume = nfrac * shard; steps = nn - 1;
+        break;
+      default:  // AllGather
+        after = collective_seconds(cluster, Op::AllGather, bytes, local0);
+        volume = nfrac * shard; steps = nn - 1;
+        break;
+    }
+    // One ring per local position j; they run concurrently, so merge them phase by phase.
+    std::vector<std::vector<Phase>> rings(m);
+    for (size_t j = 0; j < m; ++j) {
+      std::vector<int> members;
+      for (auto& [node, v] : by_node) members.push_back(v[j]);
+      ring(rings[j], members, volume, steps, before, after);
+    }
+    for (size_t k = 0; k < rings[0].size(); ++k) {
+      Phase p = rings[0][k];
+      for (size_t j = 1; j < m; ++j) {
+        p.flows.insert(p.flows.end(), rings[j][k].flows.begin(), rings[j][k].flows.end());
+        p.after_seconds = std::max(p.after_seconds, rings[j][k].after_seconds);
+      }
+      plan.phases.push_back(std::move(p));
+    }
+    return plan;
+  }
+  const double volume = (op == Op::AllReduce ? 2 : 1) * frac * bytes;
+  const int steps = op == Op::AllReduce ? 2 * (n - 1) : n - 1;
+  ring(plan.phases, ranks, volume, steps, 0, 0);
+  return plan;
+}
+
+CommPlan CollectivePlanner::p2p(double bytes, int from, int to) const {
+  CommPlan plan;
+  if (from == to || bytes <= 0) { plan.closed_form = true; return plan; }
+  auto [s, d] = platform.endpoints(from, to);
+  Phase p;
+  p.flows.push_back({s, d, bytes});
+  plan.phases.push_back(std::move(p));
+  return plan;
+}
+
+CommPlan CollectivePlanner::copy(Op op, double bytes, int rank) const {
+  CommPlan plan;
+  if (bytes <= 0) { plan.closed_form = true; return plan; }
+  Phase p;
+  if (op == Op::CopyD2H) p.flows.push_back({platform.pcie(rank), platform.cpu(rank), bytes});
+  else p.flows.push_back({platform.cpu(rank), platform.pcie(rank), bytes});
+  plan.phases.push_back(std::move(p));
+  return plan;
+}
+
+}  // namespace dssim::sim

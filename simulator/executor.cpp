@@ -1,0 +1,559 @@
+#include "simulator/executor.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <queue>
+#include <stdexcept>
+#include <unordered_map>
+#include <simgrid/s4u.hpp>
+#include <simgrid/kernel/routing/NetPoint.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace sg4 = simgrid::s4u;
+
+namespace dssim::sim {
+
+namespace {
+
+int32_t lookup(const std::vector<std::pair<int32_t, int32_t>>& map, int32_t key) {
+  if (map.empty()) return key;
+  auto it = std::lower_bound(map.begin(), map.end(), std::make_pair(key, INT32_MIN));
+  if (it == map.end() || it->first != key) return key;
+  return it->second;
+}
+
+struct Job {
+  const CommPlan* plan = nullptr;
+  int repeat = 1;
+  std::vector<std::pair<int, uint32_t>> members;  // (virtual rank, instruction)
+};
+
+struct Timer {
+  double t;
+  uint64_t seq;
+  int v;
+  uint32_t i;
+  bool operator>(const Timer& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+};
+
+struct Rendezvous {
+  int arrived = 0;
+  double ready = 0;
+  std::vector<std::pair<int, uint32_t>> members;
+};
+
+struct P2PPost {
+  int v;
+  uint32_t i;
+  double ready;
+};
+
+struct TupleHash {
+  size_t operator()(const std::tuple<int, int, int>& k) const {
+    return std::hash<uint64_t>()((uint64_t(uint32_t(std::get<0>(k))) << 40) ^
+                                 (uint64_t(uint32_t(std::get<1>(k))) << 20) ^ uint64_t(uint32_t(std::get<2>(k))));
+  }
+};
+
+struct PlanKey {
+  int group; Op op; double bytes;
+  bool operator==(const PlanKey& o) const { return group == o.group && op == o.op && bytes == o.bytes; }
+};
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    uint64_t b; std::memcpy(&b, &k.bytes, sizeof b);
+    return std::hash<uint64_t>()(b * 1000003u + uint64_t(k.group) * 31u + uint64_t(k.op));
+  }
+};
+
+class Simulation {
+ public:
+  Simulation(const Scenario& sc, const Program& program, const std::vector<VirtualRank>& vranks,
+             const std::vector<std::vector<double>>& seconds, const ExecOptions& opts)
+      : sc_(sc), program_(program), vranks_(vranks), seconds_(seconds), opts_(opts) {}
+
+  ExecResult run();
+
+ private:
+  void controller();
+  void advance(int v);
+  void start(int v, uint32_t i, double ready);
+  void finish(int v, uint32_t i, double t);
+  void timer(int v, uint32_t i, double t) { timers_.push({t, timer_seq_++, v, i}); ++result_.timers; }
+  void dispatch(const CommPlan* plan, int repeat, std::vector<std::pair<int, uint32_t>> members);
+  void account(const CommPlan& plan, int repeat);
+  int vrank_of(int rank) const {
+    return rank >= 0 && rank < static_cast<int>(vrank_of_rank_.size()) ? vrank_of_rank_[rank] : -1;
+  }
+  const Instruction& inst(int v, uint32_t i) const {
+    return program_.ranks[vranks_[v].program_index].instructions[i];
+  }
+
+  const Scenario& sc_;
+  const Program& program_;
+  const std::vector<VirtualRank>& vranks_;
+  const std::vector<std::vector<double>>& seconds_;
+  const ExecOptions& opts_;
+  ExecResult result_;
+
+  std::unique_ptr<Platform> platform_;
+  std::unique_ptr<CollectivePlanner> planner_;
+  std::vector<int> vrank_of_rank_;
+  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams_;  // per template
+  std::vector<std::vector<uint32_t>> coll_seq_;                       // per template instruction
+  std::vector<std::array<size_t, kStreams>> cursor_;
+  std::vector<std::array<double, kStreams>> stream_free_;
+  std::vector<std::vector<char>> done_, posted_;
+  std::vector<int> materialized_;
+  std::unordered_map<uint64_t, Rendezvous> rendezvous_;
+  std::unordered_map<std::tuple<int, int, int>, P2PPost, TupleHash> p2p_;
+  std::unordered_map<PlanKey, std::unique_ptr<CommPlan>, PlanKeyHash> plan_cache_;
+  std::deque<std::unique_ptr<CommPlan>> owned_plans_;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
+  uint64_t timer_seq_ = 0;
+
+  // Comm jobs and their waiters.
+  struct Waiter { sg4::SemaphorePtr sem; int job = -1; };
+  std::deque<Job> jobs_;  // stable references: waiters read their job while others are added
+  std::vector<int> free_jobs_;
+  std::vector<std::unique_ptr<Waiter>> waiters_;
+  std::vector<int> idle_waiters_;
+  std::deque<std::pair<int, double>> completed_;
+  sg4::SemaphorePtr wake_;
+  int active_jobs_ = 0;
+
+  // Link accounting.
+  std::unordered_map<const sg4::Link*, int> link_index_;
+  std::vector<double> link_bytes_;
+  std::unordered_map<uint64_t, std::vector<int>> route_cache_;
+};
+
+void Simulation::account(const CommPlan& plan, int repeat) {
+  for (const Phase& p : plan.phases)
+    for (const Flow& f : p.flows) {
+      const uint64_t key = (uint64_t(f.src->get_netpoint()->id()) << 32) | f.dst->get_netpoint()->id();
+      auto it = route_cache_.find(key);
+      if (it == route_cache_.end()) {
+        std::vector<sg4::Link*> links;
+        double lat = 0;
+        f.src->route_to(f.dst, links, &lat);
+        std::vector<int> idx;
+        for (auto* l : links) {
+          auto li = link_index_.find(l);
+          if (li != link_index_.end()) idx.push_back(li->second);
+        }
+        it = route_cache_.emplace(key, std::move(idx)).first;
+      }
+      for (int li : it->second) link_bytes_[li] += f.bytes * repeat;
+    }
+}
+
+void Simulation::dispatch(const CommPlan* plan, int repeat, std::vector<std::pair<int, uint32_t>> members) {
+  int id;
+  if (!free_jobs_.empty()) { id = free_jobs_.back(); free_jobs_.pop_back(); }
+  else { id = static_cast<int>(jobs_.size()); jobs_.emplace_back(); }
+  jobs_[id] = Job{plan, repeat, std::move(members)};
+  account(*plan, repeat);
+  ++result_.jobs;
+  for (const Phase& p : plan->phases) result_.flows += p.flows.size() * repeat;
+  ++active_jobs_;
+  int w;
+  if (!idle_waiters_.empty()) { w = idle_waiters_.back(); idle_waiters_.pop_back(); }
+  else {
+    w = static_cast<int>(waiters_.size());
+    waiters_.push_back(std::make_unique<Waiter>());
+    Waiter* me = waiters_.back().get();
+    me->sem = sg4::Semaphore::create(0);
+    sg4::Actor::create("waiter-" + std::to_string(w), platform_->driver(), [this, me, w] {
+      std::vector<sg4::CommPtr> comms;
+      for (;;) {
+        me->sem->acquire();
+        const Job& job = jobs_[me->job];
+        for (int r = 0; r < job.repeat; ++r)
+          for (const Phase& p : job.plan->phases) {
+            if (p.before_seconds > 0) sg4::this_actor::sleep_for(p.before_seconds);
+            comms.clear();
+            for (const Flow& f : p.flows)
+              if (f.bytes > 0)
+                comms.push_back(sg4::Comm::sendto_async(f.src, f.dst, static_cast<uint64_t>(std::llround(f.bytes))));
+            for (auto& c : comms) c->wait();
+            if (p.after_seconds > 0) sg4::this_actor::sleep_for(p.after_seconds);
+          }
+        completed_.emplace_back(me->job, sg4::Engine::get_clock());
+        idle_waiters_.push_back(w);
+        wake_->release();
+      }
+    })->daemonize();
+  }
+  waiters_[w]->job = id;
+  waiters_[w]->sem->release();
+}
+
+void Simulation::finish(int v, uint32_t i, double t) {
+  const Instruction& in = inst(v, i);
+  result_.spans[v][i].end = t;
+  done_[v][i] = 1;
+  const int s = static_cast<int>(in.stream);
+  ++cursor_[v][s];
+  stream_free_[v][s] = t;
+  result_.makespan = std::max(result_.makespan, t);
+  ++result_.instructions;
+  advance(v);
+}
+
+void Simulation::advance(int v) {
+  const int tpl = vranks_[v].program_index;
+  const RankProgram& rp = program_.ranks[tpl];
+  for (int s = 0; s < kStreams; ++s) {
+    if (cursor_[v][s] >= streams_[tpl][s].size()) continue;
+    const uint32_t i = streams_[tpl][s][cursor_[v][s]];
+    if (posted_[v][i]) continue;
+    const Instruction& in = rp.instructions[i];
+    double ready = stream_free_[v][s];
+    bool blocked = false;
+    for (uint32_t d = 0; d < in.deps_count; ++d) {
+      const uint32_t dep = rp.deps[in.deps_begin + d];
+      if (!done_[v][dep]) { blocked = true; break; }
+      ready = std::max(ready, result_.spans[v][dep].end);
+    }
+    if (blocked) continue;
+    posted_[v][i] = 1;
+    start(v, i, ready);
+  }
+}
+
+void Simulation::start(int v, uint32_t i, double ready) {
+  const VirtualRank& vr = vranks_[v];
+  const Instruction& in = inst(v, i);
+  const double secs = seconds_[vr.program_index][i];
+  const int repeat = std::max(1, in.repeat);
+  result_.spans[v][i].start = ready;
+  if (is_compute(in.op)) { timer(v, i, ready + secs); return; }
+  if (is_collective(in.op)) {
+    const int32_t g = lookup(vr.group_map, in.group);
+    const uint64_t key = (uint64_t(uint32_t(g)) << 32) | coll_seq_[vr.program_index][i];
+    Rendezvous& rv = rendezvous_[key];
+    rv.arrived++;
+    rv.ready = std::max(rv.ready, ready);
+    rv.members.emplace_back(v, i);
+    if (rv.arrived < materialized_[g]) return;
+    Rendezvous done = std::move(rv);
+    rendezvous_.erase(key);
+    const std::vector<int>& ranks = program_.groups[g].ranks;
+    const CommPlan* plan;
+    const PlanKey pk{g, in.op, in.bytes};
+    auto it = plan_cache_.find(pk);
+    if (it == plan_cache_.end())
+      it = plan_cache_.emplace(pk, std::make_unique<CommPlan>(planner_->collective(in.op, in.bytes, ranks))).first;
+    plan = it->second.get();
+    for (auto& [mv, mi] : done.members) result_.spans[mv][mi].start = done.ready;
+    if (plan->closed_form) {
+      const double wire = wire_bytes_per_rank(in.op, in.bytes, static_cast<int>(ranks.size())) * repeat;
+      for (auto& [mv, mi] : done.members) {
+        timer(mv, mi, done.ready + seconds_[vranks_[mv].program_index][mi]);
+        if (wire > 0 && planner_->is_closed_form(in.op, ranks) && ranks.size() > 1) {
+          link_bytes_[link_index_[platform_->nvlink_up(vranks_[mv].rank)]] += wire;
+          link_bytes_[link_index_[platform_->nvlink_down(vranks_[mv].rank)]] += wire;
+        }
+      }
+      return;
+    }
+    dispatch(plan, repeat, std::move(done.members));
+    return;
+  }
+  if (in.op == Op::Send || in.op == Op::Recv) {
+    const int me = vr.rank;
+    const int peer = lookup(vr.peer_map, in.peer);
+    if (vrank_of(peer) < 0) { timer(v, i, ready + secs); return; }
+    const int src = in.op == Op::Send ? me : peer;
+    const int dst = in.op == Op::Send ? peer : me;
+    const auto key = std::make_tuple(src, dst, in.tag);
+    auto it = p2p_.find(key);
+    if (it == p2p_.end()) { p2p_.emplace(key, P2PPost{v, i, ready}); return; }
+    const P2PPost other = it->second;
+    p2p_.erase(it);
+    const double t0 = std::max(ready, other.ready);
+    result_.spans[v][i].start = t0;
+    result_.spans[other.v][other.i].start = t0;
+    owned_plans_.push_back(std::make_unique<CommPlan>(planner_->p2p(in.bytes, src, dst)));
+    const CommPlan* plan = owned_plans_.back().get();
+    if (plan->closed_form) {
+      timer(v, i, t0 + secs);
+      timer(other.v, other.i, t0 + seconds_[vranks_[other.v].program_index][other.i]);
+      owned_plans_.pop_back();
+      return;
+    }
+    dispatch(plan, repeat, {{other.v, other.i}, {v, i}});
+    return;
+  }
+  // PCIe copies.
+  owned_plans_.push_back(std::make_unique<CommPlan>(planner_->copy(in.op, in.bytes, vr.rank)));
+  const CommPlan* plan = owned_plans_.back().get();
+  if (plan->closed_form) { timer(v, i, ready + secs); owned_plans_.pop_back(); return; }
+  dispatch(plan, repeat, {{v, i}});
+}
+
+void Simulation::controller() {
+  for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) advance(v);
+  constexpr double kTick = 2e-9;  // SimGrid's timing precision is 1e-9 s
+  for (;;) {
+    bool any = true;
+    while (any) {
+      any = false;
+      while (!completed_.empty()) {
+        auto [id, t] = completed_.front();
+        completed_.pop_front();
+        --active_jobs_;
+        auto members = std::move(jobs_[id].members);
+        jobs_[id] = Job{};
+        free_jobs_.push_back(id);
+        for (auto& [mv, mi] : members) finish(mv, mi, t);
+        any = true;
+      }
+      const double now = sg4::Engine::get_clock();
+      while (!timers_.empty() && timers_.top().t <= now + kTick) {
+        const Timer tm = timers_.top();
+        timers_.pop();
+        finish(tm.v, tm.i, tm.t);
+        any = true;
+      }
+      // Owned p2p/copy plans of finished jobs are kept until the end (cheap: one flow each).
+    }
+    if (timers_.empty() && active_jobs_ == 0) break;
+    if (timers_.empty()) {
+      wake_->acquire();
+    } else {
+      const double dt = timers_.top().t - sg4::Engine::get_clock();
+      if (dt > kTick) wake_->acquire_timeout(dt);
+    }
+  }
+  // Anything left means the Program deadlocks.
+  for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) {
+    const int tpl = vranks_[v].program_index;
+    for (int s = 0; s < kStreams; ++s)
+      if (cursor_[v][s] < streams_[tpl][s].size()) {
+        const Instruction& in = inst(v, streams_[tpl][s][cursor_[v][s]]);
+        throw std::runtime_error("Program deadlocks in the simulator: rank " + std::to_string(vranks_[v].rank) +
+                                 " stream " + to_string(in.stream) + " is stuck at " + to_string(in.op) + " (" +
+                                 to_string(in.purpose) + ", micro-batch " + std::to_string(in.micro_batch) + ")");
+      }
+  }
+}
+
+ExecResult Simulation::run() {
+  const auto wall0 = std::chrono::steady_clock::now();
+  int argc = 2;
+  char arg0[] = "dssim-sim";
+  char arg1[] = "--log=root.thres:warning";
+  char* argv[] = {arg0, arg1, nullptr};
+  sg4::Engine engine(&argc, argv);
+  engine.set_config("network/model:CM02");
+  engine.set_config("network/crosstraffic:0");
+  engine.set_config("network/TCP-gamma:1e300");  // no TCP window cap on a flow's rate
+  engine.set_config("contexts/stack-size:256");  // KiB; waiters are shallow
+
+  // Which ranks exist, and which groups each uses.
+  int max_rank = 0;
+  for (auto& vr : vranks_) max_rank = std::max(max_rank, vr.rank);
+  vrank_of_rank_.assign(max_rank + 1, -1);
+  std::vector<int> used;
+  std::vector<std::vector<int>> represented;
+  for (size_t v = 0; v < vranks_.size(); ++v) {
+    if (vrank_of_rank_[vranks_[v].rank] >= 0)
+      throw std::invalid_argument("simulator: rank " + std::to_string(vranks_[v].rank) + " appears twice");
+    vrank_of_rank_[vranks_[v].rank] = static_cast<int>(v);
+  }
+  for (int r = 0; r <= max_rank; ++r)
+    if (vrank_of_rank_[r] >= 0) {
+      used.push_back(r);
+      represented.push_back(vranks_[vrank_of_rank_[r]].represented);
+    }
+  bool copies = false;
+  for (auto& rp : program_.ranks)
+    for (auto& in : rp.instructions) copies = copies || in.op == Op::CopyD2H || in.op == Op::CopyH2D;
+  PlatformOptions popts = opts_.platform;
+  popts.with_pcie = popts.with_pcie && copies;
+  platform_ = std::make_unique<Platform>(sc_.cluster, used, popts, represented);
+  planner_ = std::make_unique<CollectivePlanner>(
+      CollectivePlanner{sc_.cluster, *platform_, opts_.detail, opts_.nvswitch_closed_form});
+  for (size_t k = 0; k < platform_->links().size(); ++k) link_index_[platform_->links()[k].link] = static_cast<int>(k);
+  link_bytes_.assign(platform_->links().size(), 0.0);
+  result_.platform_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+
+  // Per template: stream order and collective sequence numbers.
+  streams_.resize(program_.ranks.size());
+  coll_seq_.resize(program_.ranks.size());
+  for (size_t t = 0; t < program_.ranks.size(); ++t) {
+    const auto& ins = program_.ranks[t].instructions;
+    coll_seq_[t].assign(ins.size(), 0);
+    std::unordered_map<int, uint32_t> seq;
+    for (uint32_t i = 0; i < ins.size(); ++i) {
+      streams_[t][static_cast<int>(ins[i].stream)].push_back(i);
+      if (is_collective(ins[i].op)) coll_seq_[t][i] = seq[ins[i].group]++;
+    }
+  }
+  const size_t nv = vranks_.size();
+  cursor_.assign(nv, {});
+  stream_free_.assign(nv, {});
+  done_.resize(nv);
+  posted_.resize(nv);
+  result_.spans.resize(nv);
+  materialized_.assign(program_.groups.size(), 0);
+  for (size_t v = 0; v < nv; ++v) {
+    const auto& rp = program_.ranks.at(vranks_[v].program_index);
+    done_[v].assign(rp.instructions.size(), 0);
+    posted_[v].assign(rp.instructions.size(), 0);
+    result_.spans[v].assign(rp.instructions.size(), Span{});
+    std::vector<int32_t> groups;
+    for (auto& in : rp.instructions)
+      if (is_collective(in.op)) groups.push_back(lookup(vranks_[v].group_map, in.group));
+    std::sort(groups.begin(), groups.end());
+    groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+    for (int32_t g : groups) materialized_.at(g)++;
+  }
+
+  wake_ = sg4::Semaphore::create(0);
+  std::string error;
+  sg4::Actor::create("controller", platform_->driver(), [this, &error] {
+    try { controller(); } catch (const std::exception& e) { error = e.what(); }
+  });
+  engine.run();
+  if (!error.empty()) throw std::runtime_error(error);
+
+  // Busiest links.
+  const auto& links = platform_->links();
+  std::vector<int> order(links.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<int>(k);
+  const double T = result_.makespan > 0 ? result_.makespan : 1;
+  auto util = [&](int k) { return link_bytes_[k] / (links[k].link->get_bandwidth() * T); };
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return util(a) > util(b); });
+  for (int k = 0; k < std::min<int>(opts_.busiest_links, order.size()); ++k) {
+    const int li = order[k];
+    if (link_bytes_[li] <= 0) break;
+    result_.links.push_back({{"name", links[li].link->get_name()},
+                             {"bandwidth", links[li].link->get_bandwidth() / links[li].scale},
+                             {"bytes", link_bytes_[li] / links[li].scale},
+                             {"utilization", util(li)}});
+  }
+  std::map<std::string, std::pair<double, double>> cls;  // class -> (max, sum)
+  std::map<std::string, int> cls_n;
+  for (size_t k = 0; k < links.size(); ++k) {
+    std::string name = links[k].link->get_name();
+    std::string c = name.substr(0, name.find('-'));
+    if (name.size() > 3 && name.compare(name.size() - 3, 3, "_UP") == 0) c += "_up";
+    else if (name.size() > 5 && name.compare(name.size() - 5, 5, "_DOWN") == 0) c += "_down";
+    auto& e = cls[c];
+    e.first = std::max(e.first, util(static_cast<int>(k)));
+    e.second += util(static_cast<int>(k));
+    cls_n[c]++;
+  }
+  for (auto& [c, e] : cls)
+    result_.link_classes[c] = {{"links", cls_n[c]}, {"max_utilization", e.first},
+                               {"mean_utilization", e.second / cls_n[c]}};
+  result_.engine_wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  return std::move(result_);
+}
+
+// --- Running in a child process -------------------------------------------------------------
+
+void write_all(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::write(fd, p, n);
+    if (k <= 0) _exit(3);
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+}
+
+template <class T> void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
+template <class T> T get(const std::string& in, size_t& pos) {
+  if (pos + sizeof(T) > in.size()) throw std::runtime_error("simulator: truncated result from the child");
+  T v; std::memcpy(&v, in.data() + pos, sizeof v); pos += sizeof v; return v;
+}
+
+}  // namespace
+
+ExecResult execute(const Scenario& sc, const Program& program, const std::vector<VirtualRank>& vranks,
+                   const std::vector<std::vector<double>>& seconds, const ExecOptions& opts) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("simulator: pipe() failed");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("simulator: fork() failed");
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string out;
+    try {
+      ExecResult r = Simulation(sc, program, vranks, seconds, opts).run();
+      struct rusage ru{};
+      ::getrusage(RUSAGE_SELF, &ru);
+      nlohmann::json meta = {{"instructions", r.instructions}, {"flows", r.flows}, {"timers", r.timers},
+                             {"jobs", r.jobs}, {"engine_wall_seconds", r.engine_wall_seconds},
+                             {"platform_seconds", r.platform_seconds}, {"rss_kb", long(ru.ru_maxrss)},
+                             {"links", r.links}, {"link_classes", r.link_classes}};
+      put<char>(out, 'O');
+      put<double>(out, r.makespan);
+      put<uint64_t>(out, r.spans.size());
+      for (auto& s : r.spans) {
+        put<uint64_t>(out, s.size());
+        out.append(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(Span));
+      }
+      const std::string m = meta.dump();
+      put<uint64_t>(out, m.size());
+      out += m;
+    } catch (const std::exception& e) {
+      out.clear();
+      put<char>(out, 'E');
+      out += e.what();
+    }
+    write_all(fds[1], out.data(), out.size());
+    ::close(fds[1]);
+    _exit(0);
+  }
+  ::close(fds[1]);
+  std::string in;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t k = ::read(fds[0], buf, sizeof buf);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    in.append(buf, static_cast<size_t>(k));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+  if (in.empty() || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    throw std::runtime_error("simulator: the simulation process failed (status " + std::to_string(status) + ")");
+  if (in[0] == 'E') throw std::runtime_error(in.substr(1));
+  ExecResult r;
+  size_t pos = 1;
+  r.makespan = get<double>(in, pos);
+  r.spans.resize(get<uint64_t>(in, pos));
+  for (auto& s : r.spans) {
+    s.resize(get<uint64_t>(in, pos));
+    if (pos + s.size() * sizeof(Span) > in.size()) throw std::runtime_error("simulator: truncated result");
+    std::memcpy(s.data(), in.data() + pos, s.size() * sizeof(Span));
+    pos += s.size() * sizeof(Span);
+  }
+  const uint64_t mlen = get<uint64_t>(in, pos);
+  const nlohmann::json meta = nlohmann::json::parse(in.substr(pos, mlen));
+  r.instructions = meta["instructions"];
+  r.flows = meta["flows"];
+  r.timers = meta["timers"];
+  r.jobs = meta["jobs"];
+  r.engine_wall_seconds = meta["engine_wall_seconds"];
+  r.platform_seconds = meta["platform_seconds"];
+  r.child_peak_rss_kb = meta["rss_kb"];
+  r.links = meta["links"];
+  r.link_classes = meta["link_classes"];
+  return r;
+}
+
+}  // namespace dssim::sim

@@ -1,0 +1,149 @@
+// Collective and link-sharing laws of the simulated network, on hand-built Programs.
+#include <catch2/catch.hpp>
+#include "backends/sim/sim_backend.hpp"
+#include "simulator/collectives.hpp"
+
+using namespace dssim;
+
+namespace {
+
+Scenario cluster_scenario(int nodes, int gpn, int nics, double nic_bw) {
+  Scenario sc;
+  sc.name = "hand-built";
+  sc.cluster.nodes = nodes;
+  sc.cluster.gpus_per_node = gpn;
+  sc.cluster.nics_per_node = nics;
+  sc.cluster.nic_bandwidth = nic_bw;
+  sc.cluster.nic_latency = 2e-6;
+  sc.cluster.switch_latency = 0.5e-6;
+  sc.cluster.gpu.peak_flops_16 = 312e12;
+  sc.cluster.gpu.peak_flops_32 = 19.5e12;
+  sc.cluster.gpu.hbm_bandwidth = 2e12;
+  sc.cluster.gpu.nvlink_bandwidth = 300e9;
+  sc.cluster.gpu.nvlink_latency = 1e-6;
+  sc.cluster.gpu.pcie_bandwidth = 25e9;
+  sc.cluster.gpu.pcie_latency = 2e-6;
+  sc.parallel.dp = nodes * gpn;
+  sc.training.micro_batch = 1;
+  sc.training.grad_accum = 1;
+  sc.training.global_batch = nodes * gpn;
+  return sc;
+}
+
+// Every group runs one collective of `bytes` on the DP stream.
+Program collective_program(int world, const std::vector<std::vector<int>>& groups, Op op, double bytes) {
+  Program p;
+  p.world = world;
+  p.ranks.resize(world);
+  for (int r = 0; r < world; ++r) p.ranks[r].rank = r;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    p.groups.push_back({GroupKind::DP, groups[g]});
+    for (int r : groups[g]) {
+      Instruction in;
+      in.op = op;
+      in.stream = Stream::DpComm;
+      in.purpose = Purpose::GradientReduce;
+      in.group = static_cast<int>(g);
+      in.bytes = bytes;
+      p.ranks[r].add(in);
+    }
+  }
+  return p;
+}
+
+std::vector<int> iota(int n, int from = 0, int step = 1) {
+  std::vector<int> v;
+  for (int i = 0; i < n; ++i) v.push_back(from + i * step);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("ring all-reduce over N GPUs takes 2(N-1)/N S/B plus 2(N-1) hop latencies") {
+  const double B = 25e9, S = 1e9;
+  for (int n : {2, 4, 8}) {
+    Scenario sc = cluster_scenario(n, 1, 1, B);
+    const Program p = collective_program(n, {iota(n)}, Op::AllReduce, S);
+    const Report r = simulate_program(sc, p);
+    const double alpha = sc.cluster.nic_latency;  // NIC to NIC through one leaf switch
+    const double expect = 2.0 * (n - 1) / n * S / B + 2 * (n - 1) * alpha;
+    INFO("n = " << n);
+    CHECK(r.iteration_seconds == Approx(expect).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("reduce-scatter and all-gather move (N-1)/N S per rank") {
+  const double B = 25e9, S = 4e9;
+  const int n = 4;
+  Scenario sc = cluster_scenario(n, 1, 1, B);
+  for (Op op : {Op::ReduceScatter, Op::AllGather}) {
+    const Report r = simulate_program(sc, collective_program(n, {iota(n)}, op, S));
+    CHECK(r.iteration_seconds == Approx(0.75 * S / B + 3 * sc.cluster.nic_latency).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("two all-reduces sharing one NIC per node each take twice as long as one alone") {
+  // 4 nodes x 2 GPUs, one NIC per node: the two DP rings (local GPU 0s and local GPU 1s) share it.
+  const double B = 25e9, S = 2e9;
+  Scenario sc = cluster_scenario(4, 2, 1, B);
+  const auto g0 = iota(4, 0, 2), g1 = iota(4, 1, 2);
+  const Report alone = simulate_program(sc, collective_program(8, {g0}, Op::AllReduce, S));
+  const Report both = simulate_program(sc, collective_program(8, {g0, g1}, Op::AllReduce, S));
+  const double bw_alone = alone.iteration_seconds - 6 * sc.cluster.nic_latency;
+  const double bw_both = both.iteration_seconds - 6 * sc.cluster.nic_latency;
+  CHECK(bw_both == Approx(2 * bw_alone).epsilon(1e-6));
+  CHECK(both.iteration_seconds > 1.99 * alone.iteration_seconds);
+  // With a NIC per GPU they do not interfere.
+  Scenario rails = cluster_scenario(4, 2, 2, B);
+  const Report sep = simulate_program(rails, collective_program(8, {g0, g1}, Op::AllReduce, S));
+  CHECK(sep.iteration_seconds == Approx(alone.iteration_seconds).epsilon(1e-9));
+}
+
+TEST_CASE("phase and step collective detail agree within 2% on bandwidth-bound sizes") {
+  const double B = 25e9;
+  for (Op op : {Op::AllReduce, Op::ReduceScatter, Op::AllGather}) {
+    for (int n : {4, 16}) {
+      // Flat rings (one GPU per node) and hierarchical ones (4 GPUs per node).
+      for (int gpn : {1, 4}) {
+        Scenario sc = cluster_scenario(n / gpn > 1 ? n / gpn : 2, gpn, gpn, B);
+        const int world = sc.cluster.nodes * gpn;
+        const Program p = collective_program(world, {iota(world)}, op, 512e6);
+        SimOptions phase, step;
+        step.detail = SimOptions::CollectiveDetail::Step;
+        const double tp = simulate_program(sc, p, phase).iteration_seconds;
+        const double ts = simulate_program(sc, p, step).iteration_seconds;
+        INFO(to_string(op) << " over " << world << " GPUs, " << gpn << " per node");
+        CHECK(tp == Approx(ts).epsilon(0.02));
+      }
+    }
+  }
+}
+
+TEST_CASE("all-gather over more ranks than a NIC can serve is bounded by the oversubscribed uplink") {
+  // 64 nodes (two leaf groups of 32), oversubscription 4: a ring that crosses leaves twice runs at
+  // the uplink's per-flow share only on its 2 crossing hops; the ring time is set by the slowest hop.
+  const double B = 25e9, S = 8e9;
+  Scenario sc = cluster_scenario(64, 1, 1, B);
+  sc.cluster.oversubscription = 4;
+  const Program p = collective_program(64, {iota(64)}, Op::AllGather, S);
+  const Report r = simulate_program(sc, p);
+  const Report flat = simulate_program(cluster_scenario(64, 1, 1, B), p);
+  // One flow per crossing direction: uplink capacity 32 B / 4 = 8 B > B, so no slowdown...
+  CHECK(r.iteration_seconds == Approx(flat.iteration_seconds).epsilon(1e-3));
+  // ...but all 64 ranks sending across leaves at once (shift by 32) are limited to 8B/32 = B/4.
+  Program cross;
+  cross.world = 64;
+  cross.ranks.resize(64);
+  for (int i = 0; i < 64; ++i) {
+    cross.ranks[i].rank = i;
+    Instruction in;
+    in.op = i < 32 ? Op::Send : Op::Recv;
+    in.stream = Stream::PpComm;
+    in.peer = i < 32 ? i + 32 : i - 32;
+    in.tag = 1;
+    in.bytes = 1e9;
+    cross.ranks[i].add(in);
+  }
+  const Report rc = simulate_program(sc, cross);
+  CHECK(rc.iteration_seconds == Approx(1e9 / (B / 4)).epsilon(0.01));
+}
