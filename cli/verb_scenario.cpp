@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <sstream>
 
 #include "cli/output_file.hpp"
 #include "cli/verbs.hpp"
@@ -25,6 +26,8 @@ int verb_scenario(int argc, char** argv) {
       ("json", "print the report as JSON (keys: docs/report-json.md)")
       ("output,o", po::value<std::string>(), "also write the JSON report to this file (atomically)")
       ("verbose,v", "more detail: zero rows, bytes per collective");
+  // Exit codes: 0 report printed and it fits; 2 bad input; 3 report printed but it does not fit
+  // in GPU memory; 1 internal failure.
   po::options_description hidden;
   hidden.add_options()("file", po::value<std::string>(), "scenario file");
   po::options_description all;
@@ -66,6 +69,22 @@ int verb_scenario(int argc, char** argv) {
       std::cout << j.dump(2) << "\n";
     else
       std::cout << report_text(sc, r, vm.count("verbose") > 0);
+    if (!r.fits) {
+      // Capacity planning answered "no": say so on stderr with the best fix, and exit non-zero so
+      // scripts notice (the report above lists every alternative).
+      std::string fix = "see the report's list of changes";
+      for (const auto& s : r.suggestions)
+        if (s.fits) {
+          fix = "try";
+          std::istringstream words(s.change);
+          for (std::string w; words >> w;) fix += " --set " + w;
+          break;
+        }
+      std::fprintf(stderr, "dssim scenario: error: %s does not fit in %s memory: needs %.2f GiB of %.2f GiB per GPU; %s\n",
+                   sc.name.c_str(), sc.cluster.gpu.name.c_str(), r.memory.total() / (1 << 30),
+                   r.gpu_memory_bytes / (1 << 30), fix.c_str());
+      return 3;
+    }
     return 0;
   } catch (const ConfigError& e) {
     std::fprintf(stderr, "dssim scenario: error: %s\n", e.what());

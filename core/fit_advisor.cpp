@@ -41,8 +41,8 @@ std::vector<FitCandidate> fit_candidates(const Scenario& sc) {
     Scenario s = sc;
     s.training.micro_batch = mb;
     s.training.grad_accum = static_cast<int>(sc.training.global_batch / (int64_t(mb) * sc.parallel.dp));
-    consider("training.micro_batch=" + std::to_string(mb) + " (grad_accum " +
-                 std::to_string(s.training.grad_accum) + ")", s);
+    consider("training.micro_batch=" + std::to_string(mb) + " training.grad_accum=" +
+                 std::to_string(s.training.grad_accum), s);
     if (mb == 1) break;
   }
   if (sc.recompute == Recompute::none) {
@@ -61,7 +61,7 @@ std::vector<FitCandidate> fit_candidates(const Scenario& sc) {
     s.parallel.dp /= 2;
     s.parallel.partition.clear();
     s.training.grad_accum = static_cast<int>(sc.training.global_batch / (int64_t(s.training.micro_batch) * s.parallel.dp));
-    consider("parallel.pp=" + std::to_string(s.parallel.pp) + " (dp " + std::to_string(s.parallel.dp) + ")", s);
+    consider("parallel.pp=" + std::to_string(s.parallel.pp) + " parallel.dp=" + std::to_string(s.parallel.dp), s);
   }
   return out;
 }

@@ -9,7 +9,7 @@
 namespace dssim {
 
 struct FitCandidate {
-  std::string change;  // human-readable, in --set syntax where possible
+  std::string change;  // space-separated key=value assignments, each valid for --set
   Scenario scenario;
 };
 

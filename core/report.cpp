@@ -142,9 +142,13 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
   if (r.memory.host > 0) line(o, "host (CPU) memory per GPU", human_bytes(r.memory.host));
   if (!r.suggestions.empty()) {
     o << "\n" << (r.fits ? "Other configurations\n" : "Changes that would make it fit\n");
-    for (const auto& s : r.suggestions)
-      line(o, s.change, human_bytes(s.peak_bytes) + (s.fits ? " fits" : " still too big") + ", iteration " +
-                            human_seconds(s.iteration_seconds));
+    for (const auto& s : r.suggestions) {
+      char buf[512];
+      std::snprintf(buf, sizeof buf, "  %-58s %10s %-14s iteration %s\n", s.change.c_str(),
+                    human_bytes(s.peak_bytes).c_str(), s.fits ? "fits" : "still too big",
+                    human_seconds(s.iteration_seconds).c_str());
+      o << buf;
+    }
   }
 
   o << "\nThroughput\n";

@@ -118,8 +118,9 @@ PY
     ;;
   does_not_fit_suggests)
     run scenario scenarios/gpt175b.yaml --set zero.stage=0 --set training.micro_batch=8 --set training.global_batch=1536 --set training.grad_accum=12
-    expect_rc 0
+    expect_rc 3
     expect_out "DOES NOT FIT"
+    expect_err "does not fit.*try --set"
     expect_out "Changes that would make it fit"
     ;;
   unknown_verb)
