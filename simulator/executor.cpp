@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -484,6 +485,7 @@ template <class T> T get(const std::string& in, size_t& pos) {
 ExecResult execute(const Scenario& sc, const Program& program, const std::vector<VirtualRank>& vranks,
                    const std::vector<std::vector<double>>& seconds, const ExecOptions& opts) {
   int fds[2];
+  std::fflush(nullptr);  // the child must not flush the parent's buffered output again
   if (::pipe(fds) != 0) throw std::runtime_error("simulator: pipe() failed");
   const pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("simulator: fork() failed");
