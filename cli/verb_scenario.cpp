@@ -8,6 +8,10 @@
 #include "cli/output_file.hpp"
 #include "cli/verbs.hpp"
 #include "core/estimator.hpp"
+#include "core/fit_advisor.hpp"
+#ifdef DSSIM_HAVE_SIM
+#include "backends/sim/sim_backend.hpp"
+#endif
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
 
@@ -22,7 +26,12 @@ int verb_scenario(int argc, char** argv) {
       ("deepspeed_config", po::value<std::string>(), "a DeepSpeed ds_config.json mapped onto the scenario")
       ("set", po::value<std::vector<std::string>>()->composing(), "override a key: --set parallel.pp=16 (repeatable)")
       ("gpus", po::value<int>()->default_value(0), "resize the cluster to N GPUs (data parallelism absorbs it)")
-      ("backend", po::value<std::string>()->default_value("analytic"), "analytic (closed form over the Program)")
+      ("backend", po::value<std::string>()->default_value("analytic"),
+       "analytic (closed form over the Program) or sim (SimGrid cluster model)")
+      ("trace", po::value<std::string>(), "sim: write a Chrome trace / Perfetto timeline (JSON) to this file")
+      ("trace-ranks", po::value<std::string>(), "sim: comma-separated ranks to put in the trace (default: all simulated)")
+      ("collective-detail", po::value<std::string>()->default_value("phase"),
+       "sim: phase (one set of concurrent flows per collective phase) or step (every ring step)")
       ("json", "print the report as JSON (keys: docs/report-json.md)")
       ("output,o", po::value<std::string>(), "also write the JSON report to this file (atomically)")
       ("verbose,v", "more detail: zero rows, bytes per collective");
@@ -52,8 +61,19 @@ int verb_scenario(int argc, char** argv) {
     return 2;
   }
   const std::string backend = vm["backend"].as<std::string>();
-  if (backend != "analytic") {
-    std::fprintf(stderr, "dssim scenario: unknown --backend '%s' (available: analytic)\n", backend.c_str());
+#ifdef DSSIM_HAVE_SIM
+  const char* backends = "analytic, sim";
+  const bool known_backend = backend == "analytic" || backend == "sim";
+#else
+  const char* backends = "analytic (this build has no SimGrid)";
+  const bool known_backend = backend == "analytic";
+#endif
+  if (!known_backend) {
+    std::fprintf(stderr, "dssim scenario: unknown --backend '%s' (available: %s)\n", backend.c_str(), backends);
+    return 2;
+  }
+  if (backend != "sim" && (vm.count("trace") || vm.count("trace-ranks"))) {
+    std::fprintf(stderr, "dssim scenario: --trace needs --backend sim\n");
     return 2;
   }
   LoadOptions lo;
@@ -62,7 +82,31 @@ int verb_scenario(int argc, char** argv) {
   lo.gpus = vm["gpus"].as<int>();
   try {
     const Scenario sc = load_scenario(vm["file"].as<std::string>(), lo);
-    const Report r = analytic_report(sc);
+    Report r;
+#ifdef DSSIM_HAVE_SIM
+    if (backend == "sim") {
+      SimOptions so;
+      if (vm.count("trace")) so.trace_path = vm["trace"].as<std::string>();
+      if (vm.count("trace-ranks")) {
+        std::istringstream list(vm["trace-ranks"].as<std::string>());
+        for (std::string item; std::getline(list, item, ',');) {
+          try {
+            so.trace_ranks.push_back(std::stoi(item));
+          } catch (const std::exception&) {
+            throw ConfigError("--trace-ranks: '" + item + "' is not a rank number (e.g. --trace-ranks 0,8,16)");
+          }
+        }
+      }
+      try {
+        so.detail = parse_collective_detail(vm["collective-detail"].as<std::string>());
+      } catch (const std::invalid_argument& e) {
+        throw ConfigError(std::string("--collective-detail: ") + e.what());
+      }
+      r = simulate(sc, so);
+      if (!r.fits) r.suggestions = fit_suggestions(sc);
+    } else
+#endif
+    r = analytic_report(sc);
     const nlohmann::json j = report_json(sc, r);
     if (vm.count("output")) write_file_atomically(vm["output"].as<std::string>(), j.dump(2) + "\n");
     if (vm.count("json"))

@@ -70,6 +70,12 @@ std::string human_seconds(double s) {
   return fmt("%.1f us", s * 1e6);
 }
 
+std::string human_flop_rate(double tflops) {
+  if (tflops >= 1 || tflops == 0) return fmt("%.1f TFLOP/s", tflops);
+  if (tflops >= 1e-3) return fmt("%.1f GFLOP/s", tflops * 1e3);
+  return fmt("%.1f MFLOP/s", tflops * 1e6);
+}
+
 std::string human_bytes(double b) {
   if (b >= kGiB) return fmt("%.2f GiB", b / kGiB);
   if (b >= 1024.0 * 1024.0) return fmt("%.1f MiB", b / (1024.0 * 1024.0));
@@ -155,8 +161,8 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
   line(o, "iteration time", human_seconds(r.iteration_seconds));
   line(o, "tokens/s", human_count(r.tokens_per_second) + " tokens/s");
   line(o, "samples/s", fmt("%.2f samples/s", r.samples_per_second));
-  line(o, "model FLOP/s per GPU", fmt("%.1f TFLOP/s", r.model_tflops_per_gpu) + fmt("  (MFU %.1f %%)", 100 * r.mfu));
-  line(o, "hardware FLOP/s per GPU", fmt("%.1f TFLOP/s", r.hardware_tflops_per_gpu) + fmt("  (HFU %.1f %%)", 100 * r.hfu));
+  line(o, "model FLOP/s per GPU", human_flop_rate(r.model_tflops_per_gpu) + fmt("  (MFU %.1f %%)", 100 * r.mfu));
+  line(o, "hardware FLOP/s per GPU", human_flop_rate(r.hardware_tflops_per_gpu) + fmt("  (HFU %.1f %%)", 100 * r.hfu));
   if (r.time_to_train_seconds > 0)
     line(o, "time to train " + human_count(sc.training.tokens_to_train) + " tokens", human_seconds(r.time_to_train_seconds));
 
