@@ -80,9 +80,18 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
   const double intra_bw = pcie_intra ? c.gpu.pcie_bandwidth : c.gpu.nvlink_bandwidth;
   const double intra_lat = pcie_intra ? c.gpu.pcie_latency : c.gpu.nvlink_latency;
   const double peak = c.gpu.peak_flops_16 > 0 ? c.gpu.peak_flops_16 : 1e12;
+  // One star holds every GPU's NVLink port and one every PCIe endpoint: routes in a star are
+  // "source up, destination down", and the executor only routes GPU endpoints of one node to each
+  // other, so this is the per-node NVSwitch; per-node zones would cost O(zones) per created name
+  // (S4U checks names against every zone), quadratic at 8192 GPUs.
+  auto* nz = sg4::create_star_zone("nvswitch");
+  nz->set_parent(root);
+  sg4::NetZone* pz = nullptr;
+  if (opts.with_pcie) {
+    pz = sg4::create_star_zone("pcie");
+    pz->set_parent(root);
+  }
   for (auto& [node, slots] : slots_by_node) {
-    auto* nz = sg4::create_star_zone("node-" + std::to_string(node));
-    nz->set_parent(root);
     for (int s : slots) {
       const int r = used[s];
       auto* h = nz->create_host("gpu-" + std::to_string(r), peak);
@@ -92,10 +101,7 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
       nvl_up_[s] = l->get_link_up();
       nvl_down_[s] = l->get_link_down();
     }
-    nz->seal();
-    if (opts.with_pcie) {
-      auto* pz = sg4::create_star_zone("pcie-" + std::to_string(node));
-      pz->set_parent(root);
+    if (pz) {
       auto* cpu = pz->create_host("cpu-" + std::to_string(node), 1e11);
       const double sc = scale_of(node_load[node]);
       auto* mem = pz->create_link("hostmem-" + std::to_string(node), c.host_memory_bandwidth * sc)
@@ -110,9 +116,10 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
         pcie_[s] = h;
         cpu_[s] = cpu;
       }
-      pz->seal();
     }
   }
+  nz->seal();
+  if (pz) pz->seal();
 
   // Fabric between nodes.
   if (c.nodes > 1 || slots_by_node.size() > 1) {
