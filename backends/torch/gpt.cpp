@@ -76,31 +76,47 @@ void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed) {
   }
 }
 
+namespace {
+// CPU kernels of libtorch 1.13 lack fp16 LayerNorm: normalise in fp32 there (GPUs use their own).
+at::Tensor layer_norm(const at::Tensor& x, int64_t h, const at::Tensor& w, const at::Tensor& b) {
+  if (x.scalar_type() == at::kHalf && x.device().is_cpu())
+    return at::layer_norm(x.to(at::kFloat), {h}, w.to(at::kFloat), b.to(at::kFloat), 1e-5).to(at::kHalf);
+  return at::layer_norm(x, {h}, w, b, 1e-5);
+}
+// ...and fp16 GEMMs: on CPUs fp16 parameters are used in fp32 (storage, gradients and
+// communication stay fp16, so loss scaling behaves as on GPUs).
+at::Tensor compute_view(const at::Tensor& flat) {
+  if (flat.scalar_type() == at::kHalf && flat.device().is_cpu()) return flat.to(at::kFloat);
+  return flat;
+}
+}  // namespace
+
 at::Tensor embed_forward(const GptConfig& c, const at::Tensor& embed_flat, const at::Tensor& tokens) {
-  auto v = unit_views(c, 0, embed_flat);
+  auto v = unit_views(c, 0, compute_view(embed_flat));
   const int64_t s = tokens.size(1);
   auto pos = at::arange(s, tokens.options());
   return at::embedding(v[0], tokens) + at::embedding(v[1], pos).unsqueeze(0);
 }
 
-at::Tensor block_forward(const GptConfig& c, const at::Tensor& block_flat, const at::Tensor& x) {
+at::Tensor block_forward(const GptConfig& c, const at::Tensor& block_flat, const at::Tensor& x_in) {
+  const at::Tensor x = block_flat.scalar_type() == at::kHalf && block_flat.device().is_cpu() ? x_in.to(at::kFloat) : x_in;
   // Units 1..L share one layout; unit 1's views fit any block.
-  auto v = unit_views(c, 1, block_flat);
+  auto v = unit_views(c, 1, compute_view(block_flat));
   const int64_t B = x.size(0), S = x.size(1), h = c.hidden, a = c.heads, d = h / a;
-  auto y = at::layer_norm(x, {h}, v[0], v[1], 1e-5);
+  auto y = layer_norm(x, h, v[0], v[1]);
   auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4});
   auto att = causal_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({B, S, h});
   auto x1 = x + at::linear(att, v[4], v[5]);
-  auto y2 = at::layer_norm(x1, {h}, v[6], v[7], 1e-5);
+  auto y2 = layer_norm(x1, h, v[6], v[7]);
   auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
   return x1 + at::linear(m, v[10], v[11]);
 }
 
 at::Tensor head_loss(const GptConfig& c, const at::Tensor& final_flat, const at::Tensor& embed_flat,
                      const at::Tensor& x, const at::Tensor& targets) {
-  auto f = unit_views(c, c.final_unit(), final_flat);
-  auto e = unit_views(c, 0, embed_flat);
-  auto y = at::layer_norm(x, {c.hidden}, f[0], f[1], 1e-5);
+  auto f = unit_views(c, c.final_unit(), compute_view(final_flat));
+  auto e = unit_views(c, 0, compute_view(embed_flat));
+  auto y = layer_norm(x, c.hidden, f[0], f[1]);
   auto logits = at::matmul(y, e[0].t());
   return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));
 }
@@ -132,7 +148,10 @@ at::Tensor DataSource::batch(int64_t step, int mb, int dp_rank, int micro_batch)
   auto out = at::empty({micro_batch, seq_len_ + 1}, at::kLong);
   auto* p = out.data_ptr<int64_t>();
   for (int b = 0; b < micro_batch; ++b) {
-    uint64_t h = mix(mix(mix(mix(seed_, uint64_t(step)), uint64_t(mb)), uint64_t(dp_rank)), uint64_t(b));
+    // Keyed by the sample's index in this rank's batch, so 4 micro-batches of 2 see the same
+    // sequences as 1 of 8.
+    const uint64_t sample = uint64_t(mb) * uint64_t(micro_batch) + uint64_t(b);
+    uint64_t h = mix(mix(mix(seed_, uint64_t(step)), uint64_t(dp_rank)), sample);
     int64_t* row = p + int64_t(b) * (seq_len_ + 1);
     if (!bytes_.empty()) {
       const uint64_t start = h % uint64_t(bytes_.size() - seq_len_ - 1);
