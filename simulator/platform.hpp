@@ -1,8 +1,9 @@
 // The modeled cluster as a SimGrid platform, built with S4U from a ClusterSpec.
 //
-//   node zone (star)   : one host per GPU (speed = dense 16-bit peak), each with an NVLink
-//                        split-duplex link to the node's NVSwitch (the star's centre).
-//   pcie zone (star)   : per GPU a PCIe endpoint (link = PCIe bandwidth), and the node's CPU host
+//   nvswitch (star)    : one host per GPU (speed = dense 16-bit peak), each with an NVLink
+//                        split-duplex link to its node's NVSwitch; one star serves every node
+//                        because only GPUs of one node are ever routed to each other through it.
+//   pcie (star)        : per GPU a PCIe endpoint (link = PCIe bandwidth), and per node a CPU host
 //                        whose link is the node's host-memory bandwidth (offload traffic shares it).
 //   fabric (star of leaf / pod stars): per GPU the endpoint of the NIC it uses (rail-optimized:
 //                        NIC j of every node hangs off rail j's leaf switch); leaf up/down links
