@@ -14,10 +14,6 @@
 #include "backends/torch/loss_scaler.hpp"
 #include "backends/torch/torch_compat.hpp"
 #include "core/zero_partition.hpp"
-#ifdef DSSIM_HAVE_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
 
 namespace dssim::tb {
 
@@ -667,11 +663,7 @@ class Engine {
   static double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  void sync() {
-#ifdef DSSIM_HAVE_CUDA
-    if (dev_.is_cuda()) c10::cuda::device_synchronize();
-#endif
-  }
+  void sync() { device_synchronize(dev_); }
 
   // Stage 3: for instruction i and unit u, whether u is used again (forward / backward) before the
   // Program gathers it again: then it stays resident.
@@ -749,12 +741,8 @@ class Engine {
   }
 
   double peak_memory_bytes() {
-#ifdef DSSIM_HAVE_CUDA
-    if (dev_.is_cuda()) {
-      auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev_.index());
-      return double(stats.allocated_bytes[0].peak);
-    }
-#endif
+    const double cuda = cuda_peak_allocated_bytes(dev_);
+    if (cuda >= 0) return cuda;
     std::ifstream st("/proc/self/status");
     std::string line;
     while (std::getline(st, line))

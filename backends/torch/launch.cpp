@@ -23,9 +23,6 @@
 #include "core/program_builder.hpp"
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
-#ifdef DSSIM_HAVE_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#endif
 
 namespace dssim::tb {
 namespace {
@@ -88,9 +85,13 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   r.losses = res.losses;
   r.wire_bytes_per_rank = wire_bytes_by_purpose(program, 0);
   const double n = std::max(1, res.measured_steps);
+  // The breakdown is the mean over measured steps, scaled to the median iteration it explains.
+  double mean_step = 0;
+  for (double t : res.step_seconds) mean_step += t / n;
+  const double to_median = mean_step > 0 ? r.iteration_seconds / mean_step : 1.0;
   auto sec = [&](const char* k) {
     auto it = res.seconds_by_op.find(k);
-    return it == res.seconds_by_op.end() ? 0.0 : it->second / n;
+    return it == res.seconds_by_op.end() ? 0.0 : it->second / n * to_median;
   };
   r.time.forward = sec("forward");
   r.time.backward = sec("backward");
@@ -180,19 +181,19 @@ int run_rank(const Scenario& sc, const RunOptions& o) {
   try {
     torch::Device device(torch::kCPU);
     if (o.backend == "cuda") {
-#ifdef DSSIM_HAVE_CUDA
-      if (!torch::cuda::is_available() || int(torch::cuda::device_count()) <= local_rank) {
-        std::fprintf(stderr, "dssim run: --backend cuda needs a CUDA GPU for local rank %d, but %d are visible\n",
-                     local_rank, int(torch::cuda::device_count()));
+      if (!torch_has_cuda()) {
+        std::fprintf(stderr, "dssim run: --backend cuda: this dssim was built against a libtorch without CUDA "
+                             "(build it against pip torch with -DDSSIM_WITH_CUDA=ON, see scripts/gpu_bench.sh); "
+                             "use --backend cpu\n");
         return 1;
       }
-      device = torch::Device(torch::kCUDA, local_rank);
-      c10::cuda::set_device(local_rank);
-#else
-      std::fprintf(stderr, "dssim run: --backend cuda: this dssim was built without CUDA (configure with "
-                           "-DDSSIM_WITH_CUDA=ON against a CUDA libtorch); use --backend cpu\n");
-      return 1;
-#endif
+      if (!torch::cuda::is_available() || int(torch::cuda::device_count()) <= local_rank) {
+        std::fprintf(stderr, "dssim run: --backend cuda: no CUDA GPU for local rank %d (%d visible)\n",
+                     local_rank, int(torch::cuda::is_available() ? torch::cuda::device_count() : 0));
+        return 1;
+      }
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+      set_cuda_device(local_rank);
     } else if (o.backend != "cpu") {
       std::fprintf(stderr, "dssim run: --backend must be cuda or cpu (got '%s')\n", o.backend.c_str());
       return 2;

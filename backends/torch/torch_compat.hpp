@@ -11,7 +11,67 @@
 #define DSSIM_TORCH_AT_LEAST(maj, min) \
   (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
 
+#if defined(DSSIM_TORCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+#if defined(DSSIM_HAVE_NCCL)
+#include <cuda_runtime.h>
+#endif
+
 namespace dssim::tb {
+
+#if defined(DSSIM_HAVE_NCCL)
+// The stream libtorch issues its kernels on (a CPU-only libtorch, as on CI, has none: the legacy
+// default stream then orders everything).
+inline cudaStream_t torch_current_stream(int device) {
+#if defined(DSSIM_TORCH_CUDA)
+  return c10::cuda::getCurrentCUDAStream(device).stream();
+#else
+  (void)device;
+  return nullptr;
+#endif
+}
+#endif
+
+// Waits for the device's queued work (timing); a no-op on CPUs.
+inline void device_synchronize(const at::Device& d) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (d.is_cuda()) c10::cuda::device_synchronize();
+#else
+  (void)d;
+#endif
+}
+
+// Peak bytes allocated by libtorch's CUDA caching allocator; -1 where there is none.
+inline double cuda_peak_allocated_bytes(const at::Device& d) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (d.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return double(stats.allocated_bytes[0].peak);
+  }
+#else
+  (void)d;
+#endif
+  return -1;
+}
+
+inline void set_cuda_device(int index) {
+#if defined(DSSIM_TORCH_CUDA)
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+#else
+  (void)index;
+#endif
+}
+
+inline constexpr bool torch_has_cuda() {
+#if defined(DSSIM_TORCH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // softmax(q k^T / sqrt(d) + causal mask) v for q, k, v of shape [B, heads, S, d].
 // libtorch >= 2.0 has scaled_dot_product_attention (flash / memory-efficient kernels on GPUs);

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The torch backend on one GPU: builds dssim's backend against the pip torch installed here (the
+# simulator off), trains GPT 1.3B (24 layers, h=2048, s=2048, bf16, ZeRO-1, 1 GPU) with
+# `dssim run --backend cuda`, trains the same model with plain PyTorch (scripts/plain_pytorch_gpt.py)
+# on the same GPU, and prints a table last: tokens/s and MFU of both.
+#
+#   scripts/gpu_bench.sh [--steps N] [--micro-batch B] [--grad-accum G]
+#   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
+#                                          # nlohmann-json3-dev: packs them (and a Boost stub) into
+#                                          # DIR for a GPU machine that lacks them; put DIR at .deps
+#
+# Environment: OUT (where logs and JSON go; default build-gpu/out), DSSIM_DEPS (default .deps).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+
+if [[ "${1:-}" == "--make-deps" ]]; then
+  D=${2:?--make-deps DIR}
+  mkdir -p "$D/include" "$D/lib/cmake/yaml-cpp" "$D/lib/cmake/nlohmann_json" "$D/boost-stub"
+  cp -r /usr/include/yaml-cpp /usr/include/nlohmann "$D/include/"
+  cp /usr/lib/x86_64-linux-gnu/libyaml-cpp.a "$D/lib/"
+  cat > "$D/lib/cmake/yaml-cpp/yaml-cpp-config.cmake" <<'EOF'
+get_filename_component(_p "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
+if(NOT TARGET yaml-cpp)
+  add_library(yaml-cpp STATIC IMPORTED)
+  set_target_properties(yaml-cpp PROPERTIES IMPORTED_LOCATION "${_p}/lib/libyaml-cpp.a"
+                        INTERFACE_INCLUDE_DIRECTORIES "${_p}/include")
+endif()
+set(yaml-cpp_FOUND TRUE)
+EOF
+  cat > "$D/lib/cmake/nlohmann_json/nlohmann_jsonConfig.cmake" <<'EOF'
+get_filename_component(_p "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
+if(NOT TARGET nlohmann_json::nlohmann_json)
+  add_library(nlohmann_json::nlohmann_json INTERFACE IMPORTED)
+  set_target_properties(nlohmann_json::nlohmann_json PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${_p}/include")
+endif()
+set(nlohmann_json_FOUND TRUE)
+EOF
+  # The CLI's other verbs need Boost.ProgramOptions; dssim_torch_run does not. Used only when the
+  # GPU machine has no Boost: the full `dssim` target then does not build, dssim_torch_run does.
+  cat > "$D/boost-stub/BoostConfig.cmake" <<'EOF'
+if(NOT TARGET Boost::program_options)
+  add_library(Boost::program_options INTERFACE IMPORTED)
+endif()
+set(Boost_FOUND TRUE)
+set(Boost_program_options_FOUND TRUE)
+set(Boost_VERSION 1.74.0)
+EOF
+  echo "packed into $D"
+  exit 0
+fi
+
+STEPS=10 MB=8 GA=4
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --steps) STEPS=$2; shift 2 ;;
+    --micro-batch) MB=$2; shift 2 ;;
+    --grad-accum) GA=$2; shift 2 ;;
+    *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$ROOT/build-gpu/out}
+BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
+DEPS=${DSSIM_DEPS:-$ROOT/.deps}
+mkdir -p "$OUT" "$BUILD"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+python3 -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+PREFIX="$TORCH_PREFIX"
+[[ -d "$DEPS" ]] && PREFIX="$PREFIX;$DEPS"
+if [[ -d "$DEPS/boost-stub" ]] && ! ls /usr/lib/*/cmake/Boost-* /usr/lib/cmake/Boost-* /usr/local/lib/cmake/Boost-* >/dev/null 2>&1; then
+  PREFIX="$PREFIX;$DEPS/boost-stub"
+fi
+NCCL_ROOT=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+
+t0=$(date +%s)
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSSIM_WITH_SIMGRID=OFF -DDSSIM_WITH_CUDA=ON \
+  -DDSSIM_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX" ${NCCL_ROOT:+-DNCCL_ROOT=$NCCL_ROOT} \
+  -DCMAKE_CXX_COMPILER=g++ > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+grep -E "dssim_torch" "$OUT/cmake.log" || true
+cmake --build "$BUILD" --target dssim_torch_run -j"$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - t0 )) s"
+
+cat > "$BUILD/gpt13b_h200_zero1.yaml" <<EOF
+# GPT 1.3B on one H200, bf16, ZeRO-1 (scripts/gpu_bench.sh).
+name: gpt13b_h200_zero1
+model:
+  preset: gpt-1.3b
+training:
+  global_batch: $((MB * GA))
+  micro_batch: $MB
+  seed: 1234
+parallel: {tp: 1, pp: 1, dp: 1}
+zero:
+  stage: 1
+precision: bf16
+optimizer: {type: adamw, lr: 1e-4}
+cluster:
+  preset: hgx-h200-ndr
+  nodes: 1
+  gpus_per_node: 1
+EOF
+
+echo "== dssim run (torch backend, C++)"
+"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+  --json > "$OUT/dssim.json" 2> >(tee "$OUT/dssim.stderr" >&2) || { echo "dssim run failed"; exit 1; }
+python3 - "$OUT/dssim.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+m = d["extras"]["measured"]
+print("time per instruction kind (s/iteration):", {k: round(v, 4) for k, v in m["seconds_per_iteration_by_instruction"].items()})
+print("memory (GiB):", {k: round(v / 2**30, 2) for k, v in m["memory_bytes"].items()})
+print("bytes per collective:", m["bytes_per_iteration"], "Program:", m["expected_bytes_per_iteration"])
+print("throughput:", d["throughput"])
+EOF
+
+echo "== plain PyTorch (Python)"
+PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 \
+  | tee "$OUT/plain.txt"
+
+python3 - "$OUT/dssim.json" "$OUT/plain.txt" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+t = d["throughput"]
+plain = json.loads([l for l in open(sys.argv[2]) if l.startswith("PLAIN_JSON ")][-1][len("PLAIN_JSON "):])
+def g(k, *names):
+    for n in names:
+        if n in k: return k[n]
+    return float("nan")
+dt = g(t, "tokens_per_second")
+dm = g(t, "mfu")
+di = g(t, "iteration_seconds")
+print()
+print("GPT 1.3B (24 x 2048, s 2048, V 51200), bf16, 1 GPU, micro-batch %s x accumulation %s" % (d["config"]["micro_batch"], d["config"]["grad_accum"]))
+print("%-34s %12s %10s %8s" % ("", "tokens/s", "iter s", "MFU"))
+print("%-34s %12.0f %10.3f %7.1f%%" % ("dssim run --backend cuda (ZeRO-1)", dt, di, 100 * dm))
+print("%-34s %12.0f %10.3f %7.1f%%" % ("plain PyTorch (autocast, fused)", plain["tokens_per_second"], plain["iteration_seconds"], 100 * plain["mfu"]))
+print("dssim / plain: %.3f" % (dt / plain["tokens_per_second"]))
+EOF
