@@ -281,3 +281,78 @@ def config_summary(report: dict) -> str:
 
 def scenario_name(report: dict) -> str:
     return report.get("scenario", {}).get("name", "scenario")
+
+
+# ---------------------------------------------------------------------------------- point labels
+def place_labels(ax, xs: Sequence[float], ys: Sequence[float], texts: Sequence[str], fontsize: float = 8,
+                 color: str = "#333333") -> list:
+    """Write texts next to points, trying a few offsets and skipping a label that would overlap
+    one already placed, a marker or the legend, or leave the axes. Call after the axis limits are
+    final. Returns the annotations placed."""
+    fig = ax.figure
+    to_pts = 72.0 / fig.dpi
+    placed: list[tuple[float, float, float, float]] = []
+    markers = [tuple(v * to_pts for v in ax.transData.transform((x, y))) for x, y in zip(xs, ys)]
+    for x, y in markers:
+        placed.append((x - 4, y - 4, x + 4, y + 4))
+    ab = ax.get_window_extent()
+    inside = (ab.x0 * to_pts + 2, ab.y0 * to_pts + 2, ab.x1 * to_pts - 2, ab.y1 * to_pts - 2)
+    if ax.get_legend() is not None:
+        lb = ax.get_legend().get_window_extent()
+        placed.append((lb.x0 * to_pts, lb.y0 * to_pts, lb.x1 * to_pts, lb.y1 * to_pts))
+    made = []
+    order = sorted(range(len(texts)), key=lambda i: (markers[i][1], markers[i][0]))
+    for i in order:
+        px, py = markers[i]
+        w, h = 0.64 * fontsize * len(texts[i]), 1.25 * fontsize
+        for dx, dy, ha, va in ((6, 0, "left", "center"), (-6, 0, "right", "center"), (6, 9, "left", "center"),
+                               (-6, -9, "right", "center"), (6, -9, "left", "center"), (-6, 9, "right", "center"),
+                               (0, 12, "center", "center"), (0, -12, "center", "center"), (6, 18, "left", "center"),
+                               (-6, -18, "right", "center"), (6, -18, "left", "center"), (-6, 18, "right", "center"),
+                               (0, 24, "center", "center"), (0, -24, "center", "center")):
+            x0 = px + dx if ha == "left" else px + dx - w if ha == "right" else px - w / 2
+            box = (x0, py + dy - h / 2, x0 + w, py + dy + h / 2)
+            if box[0] < inside[0] or box[1] < inside[1] or box[2] > inside[2] or box[3] > inside[3]:
+                continue
+            if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                continue
+            made.append(ax.annotate(texts[i], (xs[i], ys[i]), textcoords="offset points", xytext=(dx, dy), ha=ha,
+                                    va=va, fontsize=fontsize, color=color))
+            placed.append(box)
+            break
+    return made
+
+
+def legend_and_labels(ax, xs: Sequence[float], ys: Sequence[float], texts: Sequence[str],
+                      locs: Sequence[str] = ("lower right", "upper left", "upper right", "lower left", "center right",
+                                             "center left", "lower center", "upper center"),
+                      legend_kw: dict | None = None, outside_y: float = -0.12, **label_kw) -> int:
+    """Put the legend in the first corner where every point label fits (place_labels), else under
+    the axes at axes-fraction y = outside_y; returns the number of labels placed."""
+    best: tuple[int, str] | None = None
+    for loc in locs:
+        ax.legend(loc=loc, **(legend_kw or {}))
+        ax.figure.canvas.draw()
+        made = place_labels(ax, xs, ys, texts, **label_kw)
+        for a in made:
+            a.remove()
+        if best is None or len(made) > best[0]:
+            best = (len(made), loc)
+        if len(made) == len(texts):
+            break
+    if best[0] < len(texts):  # no corner leaves room for every label: legend under the axes
+        ax.legend(loc="upper left", bbox_to_anchor=(0.0, outside_y), **(legend_kw or {}))
+    else:
+        ax.legend(loc=best[1], **(legend_kw or {}))
+    ax.figure.canvas.draw()
+    return len(place_labels(ax, xs, ys, texts, **label_kw))
+
+
+def below_axes_y(ax, artist=None, gap: float = 0.02) -> float:
+    """Axes-fraction y just under the x label (or under `artist`, e.g. a legend placed there)."""
+    ax.figure.canvas.draw()
+    boxes = [ax.xaxis.label.get_window_extent()]
+    if artist is not None:
+        boxes.append(artist.get_window_extent())
+    y_px = min(b.y0 for b in boxes)
+    return ax.transAxes.inverted().transform((0, y_px))[1] - gap
