@@ -134,7 +134,7 @@ def plot_validation(tables: list[Table], out: str | Path, title: str | None = No
         ax.text(0.0, y_cite, cite, transform=ax.transAxes, fontsize=7.5, color="#555555", va="top", ha="left")
     fig.suptitle(title or "dssim predicted vs published", x=0.02, ha="left", fontweight="bold", fontsize=12.5)
     if note:
-        fig.text(0.02, 0.915, note, fontsize=9, color="#444444")
+        fig.text(0.02, 0.935, note, fontsize=9, color="#444444")
     return common.save(fig, out)
 
 
