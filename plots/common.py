@@ -316,8 +316,11 @@ def place_labels(ax, xs: Sequence[float], ys: Sequence[float], texts: Sequence[s
                 continue
             if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
                 continue
+            far = abs(dy) >= 18  # far from its point: draw a leader line
             made.append(ax.annotate(texts[i], (xs[i], ys[i]), textcoords="offset points", xytext=(dx, dy), ha=ha,
-                                    va=va, fontsize=fontsize, color=color))
+                                    va=va, fontsize=fontsize, color=color,
+                                    arrowprops=dict(arrowstyle="-", color="#888888", lw=0.6,
+                                                    shrinkA=0, shrinkB=3) if far else None))
             placed.append(box)
             break
     return made

@@ -80,6 +80,13 @@ def validation_tables(doc: dict) -> list[Table]:
     return out
 
 
+def labelled_rows(rows: list[Row], max_labels: int = 14, worst: int = 6) -> list[Row]:
+    """All rows when few; otherwise the `worst` largest |error| (a 50-point cloud of labels is unreadable)."""
+    if len(rows) <= max_labels:
+        return rows
+    return sorted(rows, key=lambda r: -abs(r.error))[:worst]
+
+
 def plot_validation(tables: list[Table], out: str | Path, title: str | None = None, note: str | None = None) -> Path:
     common.apply_style()
     n = len(tables)
@@ -98,8 +105,9 @@ def plot_validation(tables: list[Table], out: str | Path, title: str | None = No
         if log:
             ax.set_xscale("log")
             ax.set_yscale("log")
+            subs = (1.0, 2.0, 5.0) if hi / lo < 2e3 else (1.0,)
             for axis in (ax.xaxis, ax.yaxis):
-                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                axis.set_major_locator(LogLocator(base=10, subs=subs))
                 axis.set_minor_locator(NullLocator())
                 axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             xs = [lo * (hi / lo) ** (k / 100) for k in range(101)]
@@ -122,11 +130,16 @@ def plot_validation(tables: list[Table], out: str | Path, title: str | None = No
         ax.set_ylim(lo, hi)
         ax.set_aspect("equal", adjustable="box")
         unit = f" ({t.unit})" if t.unit else ""
-        ax.set_xlabel(f"published {t.metric}{unit}")
-        ax.set_ylabel(f"predicted {t.metric}{unit}")
+        metric = t.metric.replace("_", " ")
+        ax.set_xlabel(f"published {metric}{unit}")
+        ax.set_ylabel(f"predicted {metric}{unit}")
+        if len(labelled_rows(t.rows)) < len(t.rows):
+            ax.text(0.99, 0.01, f"labelled: the {len(labelled_rows(t.rows))} largest errors of {len(t.rows)}", transform=ax.transAxes,
+                    ha="right", va="bottom", fontsize=7.5, color="#555555")
         ax.set_title(textwrap.fill(t.name, 48), fontsize=11)
-        common.legend_and_labels(ax, [r.published for r in t.rows], [r.predicted for r in t.rows],
-                                 [f"{r.label} ({r.error * 100:+.1f}%)" for r in t.rows],
+        shown = labelled_rows(t.rows)
+        common.legend_and_labels(ax, [r.published for r in shown], [r.predicted for r in shown],
+                                 [f"{r.label} ({r.error * 100:+.1f}%)" for r in shown],
                                  legend_kw={"fontsize": 8.5}, outside_y=below_axes_y(ax), fontsize=7.5)
         leg = ax.get_legend()
         cite = textwrap.fill(t.citation, 95 if n == 1 else 80)
