@@ -13,6 +13,7 @@ void usage(FILE* out) {
                "verbs:\n"
                "  scenario FILE.yaml   predict one training iteration: memory, time, where it goes\n"
                "  run FILE.yaml        train the scenario's model for real (libtorch; --backend cpu|cuda)\n"
+               "  validate             predictions vs published tables (validation/published)\n"
                "  help                 this text\n\n"
                "`dssim VERB --help` shows the verb's options. Scenario format: docs/scenario-format.md\n");
 }
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   }
   if (verb == "scenario") return dssim::cli::verb_scenario(argc - 1, argv + 1);
   if (verb == "run") return dssim::cli::verb_run(argc - 1, argv + 1);
+  if (verb == "validate") return dssim::cli::verb_validate(argc - 1, argv + 1);
   std::fprintf(stderr, "dssim: unknown verb '%s'\n\n", verb.c_str());
   usage(stderr);
   return 2;

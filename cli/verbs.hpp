@@ -6,5 +6,6 @@ namespace dssim::cli {
 
 int verb_scenario(int argc, char** argv);  // cli/verb_scenario.cpp
 int verb_run(int argc, char** argv);       // cli/verb_run.cpp (torch backend)
+int verb_validate(int argc, char** argv);  // cli/verb_validate.cpp
 
 }  // namespace dssim::cli

@@ -10,7 +10,7 @@ int node_of(const ClusterSpec& c, int rank) { return rank / std::max(1, c.gpus_p
 
 LinkClass intra_node_link(const ClusterSpec& c) {
   if (c.intra_node == "pcie") return {c.gpu.pcie_bandwidth, c.gpu.pcie_latency};
-  return {c.gpu.nvlink_bandwidth, c.gpu.nvlink_latency};
+  return {c.gpu.nvlink_achieved(), c.gpu.nvlink_latency};
 }
 
 // One GPU's share of its node's NICs when every GPU of the node runs a group of the same shape at

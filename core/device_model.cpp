@@ -4,9 +4,13 @@
 
 namespace dssim {
 
-DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute)
+DeviceModel::DeviceModel(const Scenario& sc)
+    : DeviceModel(sc.cluster, sc.precision.dtype, sc.recompute, sc.model.flash_attention) {}
+
+DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute, bool flash_attention)
     : cluster_(cluster),
       recompute_(recompute),
+      flash_attention_(flash_attention),
       peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16) {}
 
 // Saturating curve: small GEMMs cannot fill the GPU's SMs (wave quantization, launch latency);
@@ -17,20 +21,23 @@ double DeviceModel::gemm_efficiency(double flops) const {
 }
 
 double DeviceModel::kernel_seconds(const LayerOp& op) const {
-  const GpuSpec& g = cluster_.gpu;
-  if (op.attention_core && !op.gemm) {
+  // Unfused attention (Megatron 2021): batched QK^T / attention-over-V GEMMs and a softmax that
+  // reads and writes the s x s scores: the generic roofline below, with their HBM bytes.
+  if (!flash_attention_ || !op.attention_core) return roofline_seconds(op);
+  if (!op.gemm) {
     // softmax / dropout of the attention core are fused into the flash-attention kernel
     return 0.0;
   }
+  const GpuSpec& g = cluster_.gpu;
+  // QK^T and attention-over-V run inside one fused (flash) kernel: FLOP-bound, and its s x s
+  // intermediates never reach HBM.
+  return op.flops / (peak_ * g.attention_efficiency) + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
+}
+
+double DeviceModel::roofline_seconds(const LayerOp& op) const {
+  const GpuSpec& g = cluster_.gpu;
   double compute = 0;
-  double memory = op.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
-  if (op.attention_core) {
-    // QK^T and attention-over-V run inside one fused (flash) kernel: FLOP-bound, and its s x s
-    // intermediates never reach HBM.
-    compute = op.flops / (peak_ * g.attention_efficiency);
-    memory = 0;
-    return compute + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
-  }
+  const double memory = op.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
   if (op.gemm && op.flops > 0) compute = op.flops / (peak_ * gemm_efficiency(op.flops));
   return std::max(compute, memory) + g.kernel_launch;
 }

@@ -10,7 +10,9 @@ namespace dssim {
 
 class DeviceModel {
  public:
-  DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute = Recompute::none);
+  DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute = Recompute::none,
+              bool flash_attention = true);
+  explicit DeviceModel(const Scenario& sc);
 
   double kernel_seconds(const LayerOp& op) const;
   // Compute instruction on the GPU (Forward/Backward/Recompute/OptimizerStep), one repetition.
@@ -26,8 +28,10 @@ class DeviceModel {
 
  private:
   double gemm_efficiency(double flops) const;
+  double roofline_seconds(const LayerOp& op) const;
   ClusterSpec cluster_;
   Recompute recompute_;
+  bool flash_attention_;
   double peak_;
 };
 

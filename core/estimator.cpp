@@ -14,7 +14,7 @@
 namespace dssim {
 
 std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program) {
-  const DeviceModel device(sc.cluster, sc.precision.dtype, sc.recompute);
+  const DeviceModel device(sc);
   // Seconds per (kernel list, phase): forward, backward, recompute.
   std::vector<std::array<double, 3>> op_list_seconds(program.op_lists.size(), {-1.0, -1.0, -1.0});
   struct Key {

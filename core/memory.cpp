@@ -72,7 +72,10 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   } else {
     split += 4 * sc * s * b * f / t;
   }
-  const double core = r == Recompute::selective ? 0 : (4 * sc + 1) * a * s * s * b / t;
+  // Flash attention keeps only its output (counted above) and the fp32 row log-sum-exp.
+  const double core = m.flash_attention         ? 4.0 * a * s * b / t
+                      : r == Recompute::selective ? 0
+                                                  : (4 * sc + 1) * a * s * s * b / t;
   return replicated + split + core;
 }
 

@@ -146,7 +146,8 @@ class Builder {
       throw std::invalid_argument("interleaved pipeline schedule: micro-batches (" + std::to_string(M_) +
                                   ") must be a multiple of the pipeline size (" + std::to_string(p_) + ")");
     act_bytes_ = double(b_) * m_.seq_len * m_.hidden * g_;
-    p2p_bytes_ = sc.parallel.sequence_parallel ? act_bytes_ / t_ : act_bytes_;
+    scatter_gather_ = t_ > 1 && sc.parallel.scatter_gather && !sc.parallel.sequence_parallel;
+    p2p_bytes_ = (sc.parallel.sequence_parallel || scatter_gather_) ? act_bytes_ / t_ : act_bytes_;
     a2a_bytes_ = double(b_) * m_.seq_len / t_ * m_.top_k * m_.capacity_factor * m_.hidden * g_;
     onebit_ = sc.optimizer.kind == OptimizerKind::onebit_adam && zero_ == 0 &&
               sc.optimizer.step >= sc.optimizer.freeze_step;
@@ -660,6 +661,16 @@ class Builder {
     }
   }
 
+  // Scatter/gather: the Recv brought this rank's 1/tp slice; the TP group all-gathers the rest
+  // over NVLink before the chunk can run (Megatron's gather_split_1d_tensor).
+  void gather_received_slice(RankCtx& x, uint32_t recv, Purpose purpose, int mb, int chunk) {
+    if (!scatter_gather_ || recv == kNone || x.tp_g < 0) return;
+    Instruction in = make(Op::AllGather, Stream::Compute, purpose, mb, chunk);
+    in.group = x.tp_g;
+    in.bytes = act_bytes_;
+    add(x, in, {recv});
+  }
+
   void emit_tp(RankCtx& x, const Segment& s, int mb, int chunk) {
     const int layers = s.dense_layers + s.moe_layers;
     if (x.tp_g < 0 || layers == 0) return;
@@ -716,6 +727,7 @@ class Builder {
         std::tie(ag_d, ag_e) = x.ag[x.seg_cursor];
         ++x.seg_cursor;
       }
+      if (k == 0) gather_received_slice(x, x.recv_act[slot], Purpose::PipelineActivation, a.mb, a.chunk);
       Instruction in = make(Op::Forward, Stream::Compute, Purpose::None, a.mb, a.chunk);
       in.layer_begin = s.layer_begin;
       in.layer_count = s.layer_count;
@@ -748,6 +760,7 @@ class Builder {
         ++x.seg_cursor;
       }
       const uint32_t grad_in = first ? x.recv_grad[slot] : kNone;
+      if (first) gather_received_slice(x, grad_in, Purpose::PipelineGradient, a.mb, a.chunk);
       if (sc_.recompute != Recompute::none) {
         Instruction rc = make(Op::Recompute, Stream::Compute, Purpose::None, a.mb, a.chunk);
         rc.layer_begin = s.layer_begin;
@@ -910,6 +923,7 @@ class Builder {
   int p_ = 1, v_ = 1, t_ = 1, M_ = 1, b_ = 1, g_ = 2, zero_ = 0;
   bool onebit_ = false;
   double act_bytes_ = 0, p2p_bytes_ = 0, a2a_bytes_ = 0;
+  bool scatter_gather_ = false;
   std::vector<int> vs_layers_, vs_first_layer_;
   std::vector<StagePlan> plans_;
   OpListCache cache_;

@@ -22,6 +22,10 @@ struct ModelSpec {
   int moe_every = 1;         // every k-th layer is a MoE layer (1 = all, 2 = alternate, as in DeepSpeed-MoE)
   double capacity_factor = 1.0;
   bool tied_embeddings = true;
+  // Attention kernel: fused flash attention (s x s scores never reach HBM, nothing of size s^2
+  // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
+  // written to HBM and kept: Korthikanti's 5as/h activation term).
+  bool flash_attention = true;
   bool is_moe() const { return experts > 0; }
   int moe_layers() const { return is_moe() ? layers / moe_every : 0; }
 };
@@ -40,6 +44,10 @@ struct ParallelSpec {
   bool sequence_parallel = false;
   int interleave = 1;              // virtual pipeline stages (model chunks) per rank; 1 = plain 1F1B
   std::vector<int> partition;      // layers per pipeline stage; empty = uniform
+  // Megatron's scatter/gather optimization (Narayanan et al. 2021, section 4.1): with tp > 1 each
+  // TP rank sends only its 1/tp slice of the activation across nodes, and the receiving stage
+  // all-gathers it over NVLink. DeepSpeed's pipeline engine does not (default off).
+  bool scatter_gather = false;
   int world() const { return tp * pp * dp; }
 };
 
@@ -93,6 +101,10 @@ struct GpuSpec {
   double peak_flops_32 = 0;          // fp32 FLOP/s used when precision is fp32 (TF32 off)
   double nvlink_bandwidth = 0;       // bytes/s per GPU per direction
   double nvlink_latency = 0;         // seconds
+  // Fraction of the NVLink datasheet bandwidth NCCL's ring kernels reach (nccl-tests bus
+  // bandwidth / link bandwidth); what collectives and transfers over NVLink actually get.
+  double nvlink_efficiency = 1.0;
+  double nvlink_achieved() const { return nvlink_bandwidth * nvlink_efficiency; }
   double pcie_bandwidth = 0;         // bytes/s per direction, host <-> device
   double pcie_latency = 0;
   // Device-model efficiencies (fraction of peak reached), documented with sources in the YAML.

@@ -178,6 +178,9 @@ const std::vector<Field>& fields() {
     add("model.moe_every", [](Scenario& s, const Entry& e) { s.model.moe_every = get_int32(e, 1); });
     add("model.capacity_factor", [](Scenario& s, const Entry& e) { s.model.capacity_factor = get_positive(e, D::None); });
     add("model.tied_embeddings", [](Scenario& s, const Entry& e) { s.model.tied_embeddings = get_bool(e); });
+    add("model.attention", [](Scenario& s, const Entry& e) {
+      s.model.flash_attention = get_enum(e, {"flash", "unfused"}) == "flash";
+    });
     // training
     add("training.global_batch", [](Scenario& s, const Entry& e) { s.training.global_batch = get_int(e, 1); });
     add("training.micro_batch", [](Scenario& s, const Entry& e) { s.training.micro_batch = get_int32(e, 1); });
@@ -204,6 +207,7 @@ const std::vector<Field>& fields() {
       }
     });
     // zero
+    add("parallel.scatter_gather", [](Scenario& s, const Entry& e) { s.parallel.scatter_gather = get_bool(e); });
     add("zero.stage", [](Scenario& s, const Entry& e) {
       s.zero.stage = get_int32(e, 0);
       if (s.zero.stage > 3) throw ConfigError(e.origin + ": " + e.where() + ": ZeRO stage must be 0, 1, 2 or 3, got " + e.value.Scalar());
@@ -272,6 +276,7 @@ const std::vector<Field>& fields() {
     add("cluster.gpu.nvlink_latency", [](Scenario& s, const Entry& e) { s.cluster.gpu.nvlink_latency = get_non_negative(e, D::Time); });
     add("cluster.gpu.pcie_bandwidth", [](Scenario& s, const Entry& e) { s.cluster.gpu.pcie_bandwidth = get_positive(e, D::Bandwidth); });
     add("cluster.gpu.pcie_latency", [](Scenario& s, const Entry& e) { s.cluster.gpu.pcie_latency = get_non_negative(e, D::Time); });
+    add("cluster.gpu.nvlink_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.nvlink_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.gemm_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.gemm_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.gemm_half_flops", [](Scenario& s, const Entry& e) { s.cluster.gpu.gemm_half_flops = get_non_negative(e, D::Flops); });
     add("cluster.gpu.attention_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.attention_efficiency = get_positive(e, D::None); });
@@ -676,6 +681,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "experts" << YAML::Value << m.experts << YAML::Key << "top_k" << YAML::Value << m.top_k;
   y << YAML::Key << "moe_every" << YAML::Value << m.moe_every << YAML::Key << "capacity_factor" << YAML::Value << m.capacity_factor;
   y << YAML::Key << "tied_embeddings" << YAML::Value << m.tied_embeddings;
+  y << YAML::Key << "attention" << YAML::Value << (m.flash_attention ? "flash" : "unfused");
   y << YAML::EndMap;
   const auto& t = s.training;
   y << YAML::Key << "training" << YAML::Value << YAML::BeginMap;
@@ -732,6 +738,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "memory" << YAML::Value << g.memory_bytes << YAML::Key << "hbm_bandwidth" << YAML::Value << g.hbm_bandwidth;
   y << YAML::Key << "peak_flops_16" << YAML::Value << g.peak_flops_16 << YAML::Key << "peak_flops_32" << YAML::Value << g.peak_flops_32;
   y << YAML::Key << "nvlink_bandwidth" << YAML::Value << g.nvlink_bandwidth << YAML::Key << "nvlink_latency" << YAML::Value << g.nvlink_latency;
+  y << YAML::Key << "nvlink_efficiency" << YAML::Value << g.nvlink_efficiency;
   y << YAML::Key << "pcie_bandwidth" << YAML::Value << g.pcie_bandwidth << YAML::Key << "pcie_latency" << YAML::Value << g.pcie_latency;
   y << YAML::Key << "gemm_efficiency" << YAML::Value << g.gemm_efficiency << YAML::Key << "gemm_half_flops" << YAML::Value << g.gemm_half_flops;
   y << YAML::Key << "attention_efficiency" << YAML::Value << g.attention_efficiency;

@@ -77,7 +77,7 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
   std::map<int, std::vector<int>> slots_by_node;
   for (size_t i = 0; i < used.size(); ++i) slots_by_node[node_of(used[i])].push_back(static_cast<int>(i));
   const bool pcie_intra = c.intra_node == "pcie";
-  const double intra_bw = pcie_intra ? c.gpu.pcie_bandwidth : c.gpu.nvlink_bandwidth;
+  const double intra_bw = pcie_intra ? c.gpu.pcie_bandwidth : c.gpu.nvlink_achieved();
   const double intra_lat = pcie_intra ? c.gpu.pcie_latency : c.gpu.nvlink_latency;
   const double peak = c.gpu.peak_flops_16 > 0 ? c.gpu.peak_flops_16 : 1e12;
   // One star holds every GPU's NVLink port and one every PCIe endpoint: routes in a star are

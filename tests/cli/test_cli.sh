@@ -128,6 +128,39 @@ PY
     expect_rc 2
     expect_err "unknown verb"
     ;;
+  validate_published)
+    # Every published row through the default backend, within the committed thresholds.
+    run validate
+    expect_rc 0
+    expect_out "megatron_sc21_table1"
+    expect_out "zero_sc20_table1"
+    expect_out "PASS"
+    ;;
+  validate_json)
+    run validate --backend analytic --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["schema"] == "dssim.validate/1"
+names = {t["name"]: t for t in j["tables"]}
+meg = names["megatron_sc21_table1"]
+assert len(meg["rows"]) == 10
+assert meg["max_abs_error"] <= 0.10 and meg["mean_abs_error"] <= 0.05, meg["max_abs_error"]
+for r in meg["rows"]:
+    assert abs((r["predicted"] - r["published"]) / r["published"] - r["error"]) < 1e-9
+assert len(names["zero_sc20_table1"]["rows"]) == 54
+PY
+    ;;
+  validate_detects_regression)
+    # A copy of the validation data with a tightened threshold must fail (exit 1), naming the table.
+    mkdir -p "$TMP/v"
+    cp -r validation/published "$TMP/v/"
+    printf 'megatron_sc21_table1: {max_abs_error: 0.001, mean_abs_error: 0.001}\n' >"$TMP/v/thresholds.yaml"
+    run validate --backend analytic --dir "$TMP/v"
+    expect_rc 1
+    expect_err "megatron_sc21_table1.*exceed"
+    ;;
   *) fail "unknown case" ;;
 esac
 echo "ok [$CASE]"

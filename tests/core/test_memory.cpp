@@ -19,6 +19,7 @@ ModelSpec gpt(int layers, int hidden, int heads) {
   m.heads = heads;
   m.vocab = 51200;
   m.seq_len = 2048;
+  m.flash_attention = false;  // Korthikanti's forms describe the unfused attention core
   return m;
 }
 
@@ -164,6 +165,20 @@ TEST_CASE("offload moves the optimizer to the host", "[memory]") {
       CHECK(both.host == Approx(18 * psi / 8));
       CHECK(both.params == Approx(both.params_gathered));
     }
+  }
+}
+
+TEST_CASE("flash attention keeps no s x s scores: only the row log-sum-exp", "[memory]") {
+  ModelSpec m = gpt(96, 12288, 96);
+  const double s = 2048, b = 2, h = 12288, a = 96;
+  for (int tp : {1, 8}) {
+    const double unfused = activation_bytes_per_layer(m, 2, tp, false, Recompute::none, false);
+    m.flash_attention = true;
+    const double flash = activation_bytes_per_layer(m, 2, tp, false, Recompute::none, false);
+    m.flash_attention = false;
+    // flash = selective-recompute form (no 5as/h term) + fp32 log-sum-exp per (row, head)
+    CHECK(flash == Approx(activation_bytes_per_layer(s, b, h, a, tp, false, Recompute::selective) + 4 * a * s * b / tp));
+    CHECK(unfused - flash == Approx(5 * a * s / (h * tp) * s * b * h - 4 * a * s * b / tp));
   }
 }
 

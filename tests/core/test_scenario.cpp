@@ -271,7 +271,7 @@ TEST_CASE("precision and optimizer blocks", "[scenario]") {
   CHECK(d.precision.loss_scale.loss_scale == 0);
 }
 
-TEST_CASE("--set overrides the file, in order, with YAML values", "[scenario]") {
+TEST_CASE("option --set overrides the file, in order, with YAML values", "[scenario]") {
   LoadOptions o;
   o.overrides = {"parallel.tp=2", "zero.stage=1", "optimizer.betas=[0.9, 0.98]", "cluster.nic_bandwidth=400 Gb/s",
                  "zero.stage=2"};
@@ -295,7 +295,7 @@ TEST_CASE("--set overrides the file, in order, with YAML values", "[scenario]") 
              Contains("parallel.tp (--set): expected an integer, got 'two'"));
 }
 
-TEST_CASE("--set of one batch key re-derives the one left to derive", "[scenario]") {
+TEST_CASE("option --set of one batch key re-derives the one left to derive", "[scenario]") {
   LoadOptions o;
   o.overrides = {"training.micro_batch=2"};
   const Scenario s = load_scenario(shipped("gpt175b.yaml"), o);
@@ -320,7 +320,7 @@ TEST_CASE("--set of one batch key re-derives the one left to derive", "[scenario
   CHECK(c.training.global_batch == 4);
 }
 
-TEST_CASE("--gpus resizes the cluster and the data-parallel degree", "[scenario]") {
+TEST_CASE("option --gpus resizes the cluster and the data-parallel degree", "[scenario]") {
   LoadOptions o;
   o.gpus = 512;
   const Scenario s = load_scenario(shipped("gpt175b.yaml"), o);
@@ -358,7 +358,7 @@ TEST_CASE("--gpus resizes the cluster and the data-parallel degree", "[scenario]
              Contains("--gpus 8 is not a multiple of parallel.tp * parallel.pp = 8 * 8 = 64"));
 }
 
-TEST_CASE("--gpus on a scenario giving the whole batch triple keeps global and micro batch", "[scenario]") {
+TEST_CASE("option --gpus on a scenario giving the whole batch triple keeps global and micro batch", "[scenario]") {
   LoadOptions o;
   o.gpus = 4;
   const Scenario s = load_scenario_from_string(

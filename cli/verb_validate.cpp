@@ -1,0 +1,86 @@
+// `dssim validate`: every row of the published tables (validation/published) predicted by dssim,
+// with the error, the mean and max absolute error per table, and the committed thresholds.
+// Exit code 1 when a table's errors exceed its thresholds (CI runs this).
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "cli/verbs.hpp"
+#include "core/estimator.hpp"
+#include "core/scenario_loader.hpp"
+#include "validation/harness.hpp"
+#ifdef DSSIM_HAVE_SIM
+#include "backends/sim/sim_backend.hpp"
+#endif
+
+namespace po = boost::program_options;
+
+namespace dssim::cli {
+
+int verb_validate(int argc, char** argv) {
+#ifdef DSSIM_HAVE_SIM
+  const char* default_backend = "sim";
+#else
+  const char* default_backend = "analytic";
+#endif
+  po::options_description opts("dssim validate [options]");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("backend", po::value<std::string>()->default_value(default_backend), "analytic or sim")
+      ("dir", po::value<std::string>(), "validation directory (default: <dssim data root>/validation)")
+      ("json", "print the results as JSON (schema dssim.validate/1)")
+      ("verbose,v", "print citations");
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, opts), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "dssim validate: %s\n\n", e.what());
+    std::cerr << opts;
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  const std::string backend = vm["backend"].as<std::string>();
+  validation::Predictor predict;
+  if (backend == "analytic") {
+    predict = [](const Scenario& sc) { return analytic_report(sc, /*suggest=*/false); };
+#ifdef DSSIM_HAVE_SIM
+  } else if (backend == "sim") {
+    predict = [](const Scenario& sc) { return simulate(sc); };
+#endif
+  } else {
+    std::fprintf(stderr, "dssim validate: unknown --backend '%s' (available: analytic%s)\n", backend.c_str(),
+                 default_backend == std::string("sim") ? ", sim" : "");
+    return 2;
+  }
+  const std::string dir = vm.count("dir") ? vm["dir"].as<std::string>()
+                                          : (std::filesystem::path(data_root()) / "validation").string();
+  try {
+    const auto tables = validation::run_validation(dir, predict);
+    if (vm.count("json"))
+      std::cout << validation::to_json(tables).dump(2) << "\n";
+    else
+      std::cout << "dssim validate - " << backend << " predictions vs published tables\n\n"
+                << validation::to_text(tables, vm.count("verbose") > 0);
+    for (const auto& t : tables)
+      if (!t.pass()) {
+        std::fprintf(stderr, "dssim validate: %s: errors exceed the committed thresholds (mean %.2f%% > %.2f%% or max %.2f%% > %.2f%%)\n",
+                     t.name.c_str(), 100 * t.mean_abs_error, 100 * t.allowed_mean, 100 * t.max_abs_error,
+                     100 * t.allowed_max);
+        return 1;
+      }
+    return 0;
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "dssim validate: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dssim validate: failed: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace dssim::cli
