@@ -19,6 +19,12 @@ namespace po = boost::program_options;
 
 namespace dssim::cli {
 
+#ifdef DSSIM_HAVE_SIM
+constexpr const char* kDefaultBackend = "sim";
+#else
+constexpr const char* kDefaultBackend = "analytic";
+#endif
+
 int verb_scenario(int argc, char** argv) {
   po::options_description opts("dssim scenario FILE.yaml [options]");
   opts.add_options()
@@ -26,7 +32,7 @@ int verb_scenario(int argc, char** argv) {
       ("deepspeed_config", po::value<std::string>(), "a DeepSpeed ds_config.json mapped onto the scenario")
       ("set", po::value<std::vector<std::string>>()->composing(), "override a key: --set parallel.pp=16 (repeatable)")
       ("gpus", po::value<int>()->default_value(0), "resize the cluster to N GPUs (data parallelism absorbs it)")
-      ("backend", po::value<std::string>()->default_value("analytic"),
+      ("backend", po::value<std::string>()->default_value(kDefaultBackend),
        "analytic (closed form over the Program) or sim (SimGrid cluster model)")
       ("trace", po::value<std::string>(), "sim: write a Chrome trace / Perfetto timeline (JSON) to this file")
       ("trace-ranks", po::value<std::string>(), "sim: comma-separated ranks to put in the trace (default: all simulated)")

@@ -104,6 +104,41 @@ std::vector<std::pair<const char*, double>> memory_rows(const MemoryBreakdown& m
           {"communication buffers", m.comm_buffers}, {"temporaries", m.temporaries}};
 }
 
+// What only a simulation can tell (backends/sim fills Report::extras["sim"]).
+std::string simulation_text(const nlohmann::json& sim, bool verbose) {
+  std::ostringstream o;
+  // Not the breakdown's "exposed" (time the compute stream waited for a transfer): here, the
+  // transfer time during which the rank computed nothing at all, whatever it was waiting for.
+  o << "\nSimulated communication on the critical rank (outside / under compute)\n";
+  if (sim.contains("communication"))
+    for (auto& [kind, v] : sim["communication"].items()) {
+      const auto& c = v["critical_rank"];
+      if (c.value("seconds", 0.0) <= 0) continue;
+      line(o, kind, human_seconds(c.value("exposed_seconds", 0.0)) + " outside compute / " +
+                        human_seconds(c.value("overlapped_seconds", 0.0)) + " hidden under compute");
+    }
+  if (sim.contains("bubble")) {
+    const auto& b = sim["bubble"];
+    line(o, "pipeline bubble", fmt("%.1f %% simulated", 100 * b.value("critical_rank_fraction", 0.0)) +
+                                   fmt(" (1F1B ideal %.1f %%)", 100 * b.value("ideal_1f1b_fraction", 0.0)));
+  }
+  if (sim.contains("critical_path")) {
+    const auto& c = sim["critical_path"];
+    line(o, "straggler", "rank " + std::to_string(c.value("straggler_rank", 0)) + ", bound by " +
+                             c.value("dominant", std::string("?")) + fmt(", max slack %.3f s", c.value("max_slack_seconds", 0.0)));
+  }
+  if (sim.contains("links") && sim["links"].contains("busiest")) {
+    o << "Busiest links\n";
+    int shown = 0;
+    for (const auto& l : sim["links"]["busiest"]) {
+      if (shown++ >= (verbose ? 10 : 3)) break;
+      line(o, l.value("name", std::string("?")), fmt("%.1f %% busy", 100 * l.value("utilization", 0.0)) + ", " +
+                                                     human_bytes(l.value("bytes", 0.0)) + fmt(" at %.0f GB/s", l.value("bandwidth", 0.0) / 1e9));
+    }
+  }
+  return o.str();
+}
+
 }  // namespace
 
 std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
@@ -171,6 +206,7 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
     if (v <= 0 && !verbose) continue;
     line(o, label, human_seconds(v) + fmt("  %5.1f %%", r.iteration_seconds > 0 ? 100 * v / r.iteration_seconds : 0));
   }
+  if (r.extras.contains("sim")) o << simulation_text(r.extras["sim"], verbose);
   if (verbose && !r.wire_bytes_per_rank.empty()) {
     o << "\nBytes on the wire per rank per iteration\n";
     for (auto& [k, v] : r.wire_bytes_per_rank) line(o, k, human_bytes(v));
