@@ -114,8 +114,7 @@ class Engine {
       else master_.copy_(full32.narrow(0, part_.shard(rank_).begin, part_.shard_numel));
       for (int u = 0; u < cfg_.units(); ++u) {
         const int64_t off = unit_offset(u), n_u = unit_numel(cfg_, u);
-        p16_[u] = flat16_.narrow(0, off, n_u).detach().requires_grad_(true);
-        p16_[u].mutable_grad() = grad16_.narrow(0, off, n_u);
+        p16_[u] = leaves(flat16_.narrow(0, off, n_u), grad16_.narrow(0, off, n_u), u);
       }
       grad_dirty_.assign(part_.grad_buckets.size(), false);
     } else {
@@ -146,7 +145,7 @@ class Engine {
             .copy_(full_to_shard(g, full32, rank_));
         full16_[g] = full32.to(dtype_).clone();
         for (int u : group_units_[g])
-          p16_[u] = full16_[g].narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)).detach().requires_grad_(true);
+          p16_[u] = leaves(full16_[g].narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), at::Tensor(), u);
       }
       shard16_.copy_(master_);
       gathered_.assign(G, true);
@@ -209,7 +208,22 @@ class Engine {
     at::Tensor loss;
   };
 
-  const at::Tensor& param(int u, const char* why) {
+  // One autograd leaf per parameter tensor, a view into the flat buffer, with its .grad a view
+  // into the flat gradient buffer: backward accumulates straight into the buckets (no slice
+  // backward through a flat leaf), as DeepSpeed's params point into its flat groups.
+  std::vector<at::Tensor> leaves(const at::Tensor& flat, const at::Tensor& grad_flat, int u) {
+    std::vector<at::Tensor> out;
+    auto views = unit_views(cfg_, u, flat);
+    std::vector<at::Tensor> gviews;
+    if (grad_flat.defined()) gviews = unit_views(cfg_, u, grad_flat);
+    for (size_t i = 0; i < views.size(); ++i) {
+      out.push_back(views[i].detach().requires_grad_(true));
+      if (grad_flat.defined()) out.back().mutable_grad() = gviews[i];
+    }
+    return out;
+  }
+
+  const std::vector<at::Tensor>& param(int u, const char* why) {
     if (stage_ == 3 && !gathered_[group_of(u)])
       throw std::runtime_error(std::string("Program error: ") + why + " of layer " + std::to_string(group_of(u)) +
                                " before its ZeRO-3 parameters were gathered");
@@ -257,7 +271,10 @@ class Engine {
     const int g = group_of(u);
     if (!gradg_[g].defined()) {
       gradg_[g] = at::zeros({part_.stage3_groups[g].numel}, full16_[g].options());
-      for (int v : group_units_[g]) p16_[v].mutable_grad() = gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v));
+      for (int v : group_units_[g]) {
+        auto views = unit_views(cfg_, v, gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
+        for (size_t i = 0; i < views.size(); ++i) p16_[v][i].mutable_grad() = views[i];
+      }
     }
   }
 
@@ -403,18 +420,19 @@ class Engine {
   // dp == 1 has no reduction instructions: local gradients are the reduced gradients.
   void fold_full(const Range& r, const at::Tensor& buf) {
     if (stage_ == 0) {
-      grad_acc_.narrow(0, r.begin, r.count).add_(buf.to(at::kFloat), scale_for_average());
+      grad_acc_.narrow(0, r.begin, r.count).add_(buf, scale_for_average());
       return;
     }
     const Range shard = part_.shard(rank_);
     const int64_t b = std::max(r.begin, shard.begin), e = std::min(r.end(), shard.end());
     if (e > b)
       grad_acc_.narrow(0, b - shard.begin, e - b)
-          .add_(buf.narrow(0, b - r.begin, e - b).to(at::kFloat), scale_for_average());
+          .add_(buf.narrow(0, b - r.begin, e - b), scale_for_average());
   }
 
   void drop_group_grad(int g) {
-    for (int v : group_units_[g]) p16_[v].mutable_grad() = at::Tensor();
+    for (int v : group_units_[g])
+      for (auto& leaf : p16_[v]) leaf.mutable_grad() = at::Tensor();
     gradg_[g] = at::Tensor();
     grad_dirty_[g] = false;
   }
@@ -496,10 +514,15 @@ class Engine {
                         o_.overflow_steps.end();
     if (inject) grad_acc_.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
     const double inv_scale = 1.0 / scaler_.scale();
+    const double clip = sc_.training.gradient_clipping;
     // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else.
-    auto sumsq = grad_acc_.pow(2).sum().mul_(inv_scale * inv_scale).reshape({1});
-    if (stage_ >= 1 && dp_ > 1) comm_.allreduce(sumsq, Purpose::None)->wait();
-    const double norm2 = sumsq.item<double>();
+    // Needed for clipping and fp16 overflow detection only (it costs a pass and a host sync).
+    double norm2 = 0;
+    if (clip > 0 || fp16_ || inject) {
+      auto sumsq = grad_acc_.pow(2).sum().mul_(inv_scale * inv_scale).reshape({1});
+      if (stage_ >= 1 && dp_ > 1) comm_.allreduce(sumsq, Purpose::None)->wait();
+      norm2 = sumsq.item<double>();
+    }
     const bool overflow = !std::isfinite(norm2);
     step_scale_ = scaler_.scale();
     step_skipped_ = false;
@@ -511,7 +534,6 @@ class Engine {
     }
     if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
     double coef = inv_scale;
-    const double clip = sc_.training.gradient_clipping;
     if (clip > 0) {
       const double norm = std::sqrt(norm2);
       if (norm > clip) coef *= clip / (norm + 1e-6);
@@ -522,13 +544,24 @@ class Engine {
     adam_step_ += 1;
     const auto& opt = sc_.optimizer;
     const double lr = opt.lr, b1 = opt.beta1, b2 = opt.beta2;
-    // torch.optim.AdamW, written out on the flat shard.
-    master_.mul_(1.0 - lr * opt.weight_decay);
-    exp_avg_.lerp_(g, 1.0 - b1);
-    exp_avg_sq_.mul_(b2).addcmul_(g, g, 1.0 - b2);
-    const double bc1 = 1.0 - std::pow(b1, double(adam_step_)), bc2 = 1.0 - std::pow(b2, double(adam_step_));
-    auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt.eps);
-    master_.addcdiv_(exp_avg_, denom, -lr / bc1);
+#if DSSIM_TORCH_AT_LEAST(2, 4)
+    if (master_.is_cuda()) {
+      // torch.optim.AdamW(fused=True)'s kernel on the flat shard: one pass over p, g, m, v.
+      if (!adam_step_tensor_.defined()) adam_step_tensor_ = at::zeros({}, master_.options());
+      adam_step_tensor_.fill_(double(adam_step_));
+      std::vector<at::Tensor> ps{master_}, gs{g}, ms{exp_avg_}, vs{exp_avg_sq_}, none, steps{adam_step_tensor_};
+      at::_fused_adamw_(ps, gs, ms, vs, none, steps, lr, b1, b2, opt.weight_decay, opt.eps, false, false);
+    } else
+#endif
+    {
+      // torch.optim.AdamW, written out on the flat shard.
+      master_.mul_(1.0 - lr * opt.weight_decay);
+      exp_avg_.lerp_(g, 1.0 - b1);
+      exp_avg_sq_.mul_(b2).addcmul_(g, g, 1.0 - b2);
+      const double bc1 = 1.0 - std::pow(b1, double(adam_step_)), bc2 = 1.0 - std::pow(b2, double(adam_step_));
+      auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt.eps);
+      master_.addcdiv_(exp_avg_, denom, -lr / bc1);
+    }
     grad_acc_.zero_();
     if (fp16_) scaler_.update(false);
     publish_master();
@@ -768,8 +801,9 @@ class Engine {
   bool checkpoint_activations_ = false, offload_ = false;
   ZeroPartition part_;
   std::vector<int> first_tensor_;
-  std::vector<at::Tensor> p16_;
+  std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
   std::vector<bool> gathered_;
+  at::Tensor adam_step_tensor_;
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
   std::vector<std::vector<int>> group_units_;

@@ -85,23 +85,24 @@ at::Tensor layer_norm(const at::Tensor& x, int64_t h, const at::Tensor& w, const
 }
 // ...and fp16 GEMMs: on CPUs fp16 parameters are used in fp32 (storage, gradients and
 // communication stay fp16, so loss scaling behaves as on GPUs).
-at::Tensor compute_view(const at::Tensor& flat) {
-  if (flat.scalar_type() == at::kHalf && flat.device().is_cpu()) return flat.to(at::kFloat);
-  return flat;
+std::vector<at::Tensor> compute_view(const std::vector<at::Tensor>& ps) {
+  if (ps.empty() || !(ps[0].scalar_type() == at::kHalf && ps[0].device().is_cpu())) return ps;
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.to(at::kFloat));
+  return out;
 }
 }  // namespace
 
-at::Tensor embed_forward(const GptConfig& c, const at::Tensor& embed_flat, const at::Tensor& tokens) {
-  auto v = unit_views(c, 0, compute_view(embed_flat));
+at::Tensor embed_forward(const GptConfig& c, const std::vector<at::Tensor>& embed, const at::Tensor& tokens) {
+  auto v = compute_view(embed);
   const int64_t s = tokens.size(1);
   auto pos = at::arange(s, tokens.options());
   return at::embedding(v[0], tokens) + at::embedding(v[1], pos).unsqueeze(0);
 }
 
-at::Tensor block_forward(const GptConfig& c, const at::Tensor& block_flat, const at::Tensor& x_in) {
-  const at::Tensor x = block_flat.scalar_type() == at::kHalf && block_flat.device().is_cpu() ? x_in.to(at::kFloat) : x_in;
-  // Units 1..L share one layout; unit 1's views fit any block.
-  auto v = unit_views(c, 1, compute_view(block_flat));
+at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x_in) {
+  const at::Tensor x = block[0].scalar_type() == at::kHalf && block[0].device().is_cpu() ? x_in.to(at::kFloat) : x_in;
+  auto v = compute_view(block);
   const int64_t B = x.size(0), S = x.size(1), h = c.hidden, a = c.heads, d = h / a;
   auto y = layer_norm(x, h, v[0], v[1]);
   auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4});
@@ -112,10 +113,10 @@ at::Tensor block_forward(const GptConfig& c, const at::Tensor& block_flat, const
   return x1 + at::linear(m, v[10], v[11]);
 }
 
-at::Tensor head_loss(const GptConfig& c, const at::Tensor& final_flat, const at::Tensor& embed_flat,
+at::Tensor head_loss(const GptConfig& c, const std::vector<at::Tensor>& final_norm, const std::vector<at::Tensor>& embed,
                      const at::Tensor& x, const at::Tensor& targets) {
-  auto f = unit_views(c, c.final_unit(), compute_view(final_flat));
-  auto e = unit_views(c, 0, compute_view(embed_flat));
+  auto f = compute_view(final_norm);
+  auto e = compute_view(embed);
   auto y = layer_norm(x, c.hidden, f[0], f[1]);
   auto logits = at::matmul(y, e[0].t());
   return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));

@@ -1,6 +1,6 @@
 // A GPT in libtorch, written functionally over flat parameter buffers so the ZeRO engine owns all
 // memory: the model is a list of units (embedding, one per transformer block, final LayerNorm), and
-// every unit's parameters are views into one contiguous tensor of that unit.
+// every unit's parameters are views into one contiguous tensor of that unit, in this order:
 //   embedding: wte [V, h], wpe [s, h]
 //   block:     ln1 w,b [h]; qkv w [3h, h], b [3h]; proj w [h, h], b [h]; ln2 w,b [h];
 //              fc w [f, h], b [f]; fc2 w [h, f], b [h]         (12h^2 + 13h when f = 4h)
@@ -37,11 +37,13 @@ std::vector<at::Tensor> unit_views(const GptConfig& c, int unit, const at::Tenso
 // N(0, 0.02/sqrt(2L)) for the residual projections (GPT-2), zero biases, unit norms.
 void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed);
 
-at::Tensor embed_forward(const GptConfig& c, const at::Tensor& embed_flat, const at::Tensor& tokens);
-at::Tensor block_forward(const GptConfig& c, const at::Tensor& block_flat, const at::Tensor& x);
+// The forward functions take a unit's parameter tensors in unit_params order (unit_views of its
+// flat tensor, or the engine's per-parameter leaves).
+at::Tensor embed_forward(const GptConfig& c, const std::vector<at::Tensor>& embed, const at::Tensor& tokens);
+at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x);
 // Final LayerNorm, tied LM head, mean cross-entropy in fp32.
-at::Tensor head_loss(const GptConfig& c, const at::Tensor& final_flat, const at::Tensor& embed_flat,
-                     const at::Tensor& x, const at::Tensor& targets);
+at::Tensor head_loss(const GptConfig& c, const std::vector<at::Tensor>& final_norm,
+                     const std::vector<at::Tensor>& embed, const at::Tensor& x, const at::Tensor& targets);
 
 // Deterministic training data: batch(step, micro_batch, dp_rank) is a pure function of its
 // arguments and the seed, so every run (and every resume) sees the same tokens.
