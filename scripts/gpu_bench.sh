@@ -4,7 +4,7 @@
 # `dssim run --backend cuda`, trains the same model with plain PyTorch (scripts/plain_pytorch_gpt.py)
 # on the same GPU, and prints a table last: tokens/s and MFU of both.
 #
-#   scripts/gpu_bench.sh [--steps N] [--micro-batch B] [--grad-accum G]
+#   scripts/gpu_bench.sh [--steps N] [--configs "8x4 16x2"]   (micro-batch x accumulation)
 #   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
 #                                          # nlohmann-json3-dev: packs them (and a Boost stub) into
 #                                          # DIR for a GPU machine that lacks them; put DIR at .deps
@@ -49,12 +49,11 @@ EOF
   exit 0
 fi
 
-STEPS=10 MB=8 GA=4
+STEPS=10 CONFIGS="8x4"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
-    --micro-batch) MB=$2; shift 2 ;;
-    --grad-accum) GA=$2; shift 2 ;;
+    --configs) CONFIGS=$2; shift 2 ;;   # "MBxGA ...": micro-batch x accumulation, first is the headline
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -62,6 +61,7 @@ OUT=${OUT:-$ROOT/build-gpu/out}
 BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
 DEPS=${DSSIM_DEPS:-$ROOT/.deps}
 mkdir -p "$OUT" "$BUILD"
+rm -f "$OUT/summary.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -82,7 +82,10 @@ grep -E "dssim_torch" "$OUT/cmake.log" || true
 cmake --build "$BUILD" --target dssim_torch_run -j"$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
 
-cat > "$BUILD/gpt13b_h200_zero1.yaml" <<EOF
+for CFG in $CONFIGS; do
+MB=${CFG%x*} GA=${CFG#*x}
+TAG="mb${MB}_ga${GA}"
+cat > "$BUILD/gpt13b_h200_zero1_$TAG.yaml" <<EOF
 # GPT 1.3B on one H200, bf16, ZeRO-1 (scripts/gpu_bench.sh).
 name: gpt13b_h200_zero1
 model:
@@ -103,9 +106,9 @@ cluster:
 EOF
 
 echo "== dssim run (torch backend, C++)"
-"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
-  --json > "$OUT/dssim.json" 2> >(tee "$OUT/dssim.stderr" >&2) || { echo "dssim run failed"; exit 1; }
-python3 - "$OUT/dssim.json" <<'EOF'
+"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1_$TAG.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+  --json > "$OUT/dssim_$TAG.json" 2> >(tee "$OUT/dssim_$TAG.stderr" >&2) || { echo "dssim run failed"; exit 1; }
+python3 - "$OUT/dssim_$TAG.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 m = d["extras"]["measured"]
@@ -117,24 +120,22 @@ EOF
 
 echo "== plain PyTorch (Python)"
 PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 \
-  | tee "$OUT/plain.txt"
+  | tee "$OUT/plain_$TAG.txt"
 
-python3 - "$OUT/dssim.json" "$OUT/plain.txt" <<'EOF'
+python3 - "$OUT/dssim_$TAG.json" "$OUT/plain_$TAG.txt" >> "$OUT/summary.txt" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 t = d["throughput"]
 plain = json.loads([l for l in open(sys.argv[2]) if l.startswith("PLAIN_JSON ")][-1][len("PLAIN_JSON "):])
-def g(k, *names):
-    for n in names:
-        if n in k: return k[n]
-    return float("nan")
-dt = g(t, "tokens_per_second")
-dm = g(t, "mfu")
-di = g(t, "iteration_seconds")
-print()
-print("GPT 1.3B (24 x 2048, s 2048, V 51200), bf16, 1 GPU, micro-batch %s x accumulation %s" % (d["config"]["micro_batch"], d["config"]["grad_accum"]))
-print("%-34s %12s %10s %8s" % ("", "tokens/s", "iter s", "MFU"))
-print("%-34s %12.0f %10.3f %7.1f%%" % ("dssim run --backend cuda (ZeRO-1)", dt, di, 100 * dm))
-print("%-34s %12.0f %10.3f %7.1f%%" % ("plain PyTorch (autocast, fused)", plain["tokens_per_second"], plain["iteration_seconds"], 100 * plain["mfu"]))
-print("dssim / plain: %.3f" % (dt / plain["tokens_per_second"]))
+c = d["config"]
+print("%-7s %-34s %10.0f %8.3f %6.1f%%" % ("%dx%d" % (c["micro_batch"], c["grad_accum"]), "dssim run --backend cuda (ZeRO-1)",
+      t["tokens_per_second"], t["iteration_seconds"], 100 * t["mfu"]))
+print("%-7s %-34s %10.0f %8.3f %6.1f%%   dssim/plain %.3f" % ("", "plain PyTorch (autocast, fused)", plain["tokens_per_second"],
+      plain["iteration_seconds"], 100 * plain["mfu"], t["tokens_per_second"] / plain["tokens_per_second"]))
 EOF
+done
+
+echo
+echo "GPT 1.3B (24 x 2048, 16 heads, s 2048, V 51200), bf16, 1 GPU ($(sed -n 2p "$OUT/gpu.txt" | cut -d, -f1)); MFU against 989.5 TFLOP/s"
+printf "%-7s %-34s %10s %8s %7s\n" "mb x ga" "" "tokens/s" "iter s" "MFU"
+cat "$OUT/summary.txt"
