@@ -204,7 +204,10 @@ Plan plan_ranks(const Scenario& sc, const Program& p, const SimOptions& opts) {
         for (int g : groups_used) {
           const Group& grp = p.groups[g];
           if (gi.position(v, g) >= 0) continue;  // v is a member too: same group
-          const int g2 = gi.find(v, grp.kind, gi.position(r0, g), grp.ranks.size());
+          // v's own group of the kind: at r0's position when the kind's groups are laid out alike
+          // (DP, EP), else wherever v sits in it (expert-data-parallel groups of another expert).
+          int g2 = gi.find(v, grp.kind, gi.position(r0, g), grp.ranks.size());
+          if (g2 < 0) g2 = gi.find(v, grp.kind, -1, grp.ranks.size());
           if (g2 < 0)
             throw std::runtime_error("simulator: cannot expand stage representative " + std::to_string(r0) +
                                      " to rank " + std::to_string(v) + ": no " + to_string(grp.kind) + " group");

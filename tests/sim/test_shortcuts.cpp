@@ -80,3 +80,19 @@ TEST_CASE("shortcut: phase-level collectives equal step-level ones on a whole sc
   const double b = simulate(sc, step).iteration_seconds;
   CHECK(a == Approx(b).epsilon(0.02));
 }
+
+TEST_CASE("shortcut: stage representatives expand to MoE replicas of other experts") {
+  // dp 8, ep 2: expert-data-parallel groups {0,2,4,6} and {1,3,5,7}; the representative (rank 0)
+  // must be replicated onto rank 1, which holds the other experts and sits at position 0 of a
+  // different expert-dp group.
+  const std::string yaml =
+      "name: moe_shortcut\n"
+      "model: {preset: gpt-350m, layers: 4, experts: 8, top_k: 2, moe_every: 2}\n"
+      "training: {global_batch: 16, micro_batch: 1}\n"
+      "parallel: {tp: 1, pp: 2, dp: 8, ep: 2}\n"
+      "cluster: {preset: dgx-a100-hdr, nodes: 2}\n";
+  const Scenario sc = load_scenario_from_string(yaml, {}, "moe_shortcut");
+  const SimRun rep = simulate_run(sc, {});
+  CHECK(rep.report.extras["sim"]["simulation"]["expanded_stage_representatives"] == true);
+  CHECK(rep.report.iteration_seconds == Approx(full_model(sc)).epsilon(1e-6));
+}
