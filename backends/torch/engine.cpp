@@ -78,7 +78,8 @@ class Engine {
     micro_batch_ = sc.training.micro_batch;
     grad_accum_ = sc.training.grad_accum;
     checkpoint_activations_ = sc.recompute != Recompute::none;
-    offload_ = sc.zero.offload_optimizer && stage_ >= 1;
+    offload_ = sc.zero.offload_optimizer;
+    offload_param_ = sc.zero.offload_param && stage_ == 3;
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
     part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_));
     allocate();
@@ -155,7 +156,8 @@ class Engine {
     }
     exp_avg_ = at::zeros_like(master_);
     exp_avg_sq_ = at::zeros_like(master_);
-    grad_acc_ = at::zeros(master_.sizes(), at::TensorOptions().dtype(at::kFloat).device(dev_));
+    grad_acc_ = at::zeros(master_.sizes(), st32);
+    if (offload_param_) shard16_ = shard16_.to(at::kCPU);
   }
 
   // Stage 3: a group's full flat tensor -> rank r's partition (per tensor ceil(n / dp), zero padded).
@@ -376,7 +378,7 @@ class Engine {
       auto buf = grad16_.narrow(0, b.range.begin, b.range.count);
       if (in.op == Op::AllReduce || stage_ == 0) {
         comm_.allreduce(buf, in.purpose)->wait();
-        fold_full(b.range, buf);
+        fold_full(b.range, buf, k);
       } else {
         // DeepSpeed reduces each rank's intersection with the bucket to its owner; the same data
         // moves as in a reduce-scatter of the bucket.
@@ -384,9 +386,7 @@ class Engine {
         reduce_to_owners(buf, in);
         if (mine.count > 0) {
           const Range shard = part_.shard(rank_);
-          grad_acc_.narrow(0, mine.begin - shard.begin, mine.count)
-              .add_(buf.narrow(0, mine.begin - b.range.begin, mine.count).to(at::kFloat),
-                    scale_for_average());
+          accumulate(k, mine.begin - shard.begin, buf.narrow(0, mine.begin - b.range.begin, mine.count));
         }
       }
       buf.zero_();
@@ -404,7 +404,7 @@ class Engine {
       auto input = at::cat(parts);
       auto out = at::empty({g.shard_numel}, input.options());
       comm_.reduce_scatter(out, input, in.purpose)->wait();
-      grad_acc_.narrow(0, group_shard_offset_[gi], g.shard_numel).add_(out.to(at::kFloat), scale_for_average());
+      accumulate(gi, group_shard_offset_[gi], out);
       drop_group_grad(gi);
     }
   }
@@ -417,17 +417,52 @@ class Engine {
     comm_.reduce_to_owners(buf, owners, in.purpose)->wait();
   }
 
+  // Reduced gradients (this rank's part) into the fp32 accumulator of the optimizer. With the
+  // optimizer offloaded, they wait on the device for the Program's CopyD2H of their bucket.
+  void accumulate(int bucket, int64_t acc_offset, const at::Tensor& reduced) {
+    if (!offload_) {
+      grad_acc_.narrow(0, acc_offset, reduced.numel()).add_(reduced, scale_for_average());
+      return;
+    }
+    d2h_pending_[bucket].push_back({acc_offset, reduced.clone()});
+  }
+  void copy_gradients_to_host(int bucket) {
+    auto it = d2h_pending_.find(bucket);
+    if (it == d2h_pending_.end()) return;
+    for (auto& [off, t] : it->second) {
+      count_copy(Op::CopyD2H, Purpose::OffloadGradient, double(t.numel()) * elt16());
+      grad_acc_.narrow(0, off, t.numel()).add_(t.to(at::kCPU), scale_for_average());
+    }
+    d2h_pending_.erase(it);
+  }
+  void count_copy(Op op, Purpose p, double bytes) {
+    copy_bytes_[{op, p}] += bytes;
+    copy_calls_[{op, p}] += 1;
+  }
+
   // dp == 1 has no reduction instructions: local gradients are the reduced gradients.
-  void fold_full(const Range& r, const at::Tensor& buf) {
+  void fold_full(const Range& r, const at::Tensor& buf, int bucket) {
     if (stage_ == 0) {
-      grad_acc_.narrow(0, r.begin, r.count).add_(buf, scale_for_average());
+      accumulate(bucket, r.begin, buf);
       return;
     }
     const Range shard = part_.shard(rank_);
     const int64_t b = std::max(r.begin, shard.begin), e = std::min(r.end(), shard.end());
-    if (e > b)
-      grad_acc_.narrow(0, b - shard.begin, e - b)
-          .add_(buf.narrow(0, b - r.begin, e - b), scale_for_average());
+    if (e > b) accumulate(bucket, b - shard.begin, buf.narrow(0, b - r.begin, e - b));
+  }
+  void fold_local_bucket(int k) {
+    if (!grad_dirty_[k]) return;
+    if (dp_ > 1) throw std::runtime_error("Program error: gradients of bucket " + std::to_string(k) + " left unreduced");
+    if (stage_ <= 2) {
+      const auto& r = part_.grad_buckets[k].range;
+      auto buf = grad16_.narrow(0, r.begin, r.count);
+      fold_full(r, buf, k);
+      buf.zero_();
+    } else {
+      accumulate(k, group_shard_offset_[k], full_to_shard(k, gradg_[k], 0));
+      drop_group_grad(k);
+    }
+    grad_dirty_[k] = false;
   }
 
   void drop_group_grad(int g) {
@@ -438,27 +473,10 @@ class Engine {
   }
 
   void fold_unreduced() {
-    bool any = false;
-    for (bool d : grad_dirty_) any = any || d;
-    if (!any) return;
-    if (dp_ > 1) throw std::runtime_error("Program error: gradients left unreduced at the optimizer step");
-    if (stage_ <= 2) {
-      for (size_t k = 0; k < part_.grad_buckets.size(); ++k)
-        if (grad_dirty_[k]) {
-          const auto& r = part_.grad_buckets[k].range;
-          auto buf = grad16_.narrow(0, r.begin, r.count);
-          fold_full(r, buf);
-          buf.zero_();
-          grad_dirty_[k] = false;
-        }
-    } else {
-      for (int g = 0; g < int(grad_dirty_.size()); ++g)
-        if (grad_dirty_[g]) {
-          grad_acc_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
-              .add_(full_to_shard(g, gradg_[g], 0).to(at::kFloat));
-          drop_group_grad(g);
-        }
-    }
+    for (int k = 0; k < int(grad_dirty_.size()); ++k) fold_local_bucket(k);
+    std::vector<int> left;
+    for (auto& [k, v] : d2h_pending_) left.push_back(k);
+    for (int k : left) copy_gradients_to_host(k);
   }
 
   void gather_params(const Instruction& in) {
@@ -486,7 +504,16 @@ class Engine {
   void gather_group(int gi, const Instruction* in) {
     const auto& g = part_.stage3_groups[gi];
     if (in) check_bytes(*in, double(g.padded_numel()) * elt16());
-    auto mine = shard16_.narrow(0, group_shard_offset_[gi], g.shard_numel);
+    at::Tensor mine = shard16_.narrow(0, group_shard_offset_[gi], g.shard_numel);
+    if (offload_param_) {
+      auto st = staged_.find(gi);
+      if (st != staged_.end()) {
+        mine = st->second;
+        staged_.erase(st);
+      } else {
+        mine = mine.to(dev_);  // not fetched by the Program (dp = 1 or a persistent layer)
+      }
+    }
     auto out = at::empty({g.padded_numel()}, mine.options());
     if (in) comm_.all_gather(out, mine, in->purpose)->wait();
     else if (dp_ == 1) out.copy_(mine);
@@ -539,7 +566,7 @@ class Engine {
       if (norm > clip) coef *= clip / (norm + 1e-6);
     }
     at::Tensor g = grad_acc_;
-    if (offload_ && dev_.is_cuda()) g = grad_acc_.to(state_device_);
+    // With the optimizer offloaded, g, master and moments are host tensors: the step runs on the CPU.
     if (coef != 1.0) g.mul_(coef);
     adam_step_ += 1;
     const auto& opt = sc_.optimizer;
@@ -564,7 +591,32 @@ class Engine {
     }
     grad_acc_.zero_();
     if (fp16_) scaler_.update(false);
+    if (offload_) publish_pending_ = true;  // the Program's CopyH2D brings it back
+    else publish_master();
+  }
+
+  void copy_d2h(const Instruction& in) {
+    if (!offload_ || in.purpose != Purpose::OffloadGradient)
+      throw std::runtime_error("Program error: device-to-host copy without optimizer offload");
+    if (in.bucket >= 0 && in.bucket < int(grad_dirty_.size())) fold_local_bucket(in.bucket);
+    copy_gradients_to_host(in.bucket);
+  }
+  void copy_h2d(const Instruction& in) {
+    if (in.purpose != Purpose::OffloadParam) throw std::runtime_error("Program error: unexpected host-to-device copy");
+    if (in.layer_begin >= 0) {  // ZeRO-3 offload_param: fetch a layer's 16-bit shard
+      if (!offload_param_) throw std::runtime_error("Program error: parameter fetch without offload_param");
+      const int g = in.layer_begin;
+      const auto& grp = part_.stage3_groups.at(g);
+      check_bytes(in, double(grp.shard_numel) * elt16());
+      staged_[g] = shard16_.narrow(0, group_shard_offset_[g], grp.shard_numel).to(dev_);
+      count_copy(Op::CopyH2D, Purpose::OffloadParam, double(grp.shard_numel) * elt16());
+      return;
+    }
+    // The updated shard back to the device after the host step.
+    if (!publish_pending_) return;
+    count_copy(Op::CopyH2D, Purpose::OffloadParam, double(master_.numel()) * elt16());
     publish_master();
+    publish_pending_ = false;
   }
 
   // The updated master shard -> this rank's 16-bit copy (the Program's all-gathers send the rest).
@@ -754,8 +806,8 @@ class Engine {
             if (in.purpose == Purpose::ParamGather) gather_params(in);
             else throw std::runtime_error(std::string("torch backend: unsupported all-gather purpose ") + to_string(in.purpose));
             break;
-          case Op::CopyD2H:
-          case Op::CopyH2D: break;  // offload copies happen inside the host optimizer step
+          case Op::CopyD2H: copy_d2h(in); break;
+          case Op::CopyH2D: copy_h2d(in); break;
           default:
             throw std::runtime_error(std::string("torch backend: instruction ") + to_string(in.op) +
                                      " is not supported (data parallelism only)");
@@ -798,7 +850,11 @@ class Engine {
   DynamicLossScaler scaler_;
   DataSource data_;
   int micro_batch_ = 1, grad_accum_ = 1;
-  bool checkpoint_activations_ = false, offload_ = false;
+  bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false, publish_pending_ = false;
+  std::map<int, std::vector<std::pair<int64_t, at::Tensor>>> d2h_pending_;
+  std::map<int, at::Tensor> staged_;
+  std::map<std::pair<Op, Purpose>, double> copy_bytes_;
+  std::map<std::pair<Op, Purpose>, int64_t> copy_calls_;
   ZeroPartition part_;
   std::vector<int> first_tensor_;
   std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
@@ -840,11 +896,19 @@ EngineResult Engine::run() {
       ::kill(::getpid(), SIGKILL);
     }
     measuring_ = done >= warm;
-    if (measuring_ && done == warm) comm_.reset_counters();
+    if (measuring_ && done == warm) {
+      comm_.reset_counters();
+      copy_bytes_.clear();
+      copy_calls_.clear();
+    }
     loss_sum_ = at::Tensor();
     sync();
     auto t0 = Clock::now();
     execute(rp);
+    if (publish_pending_) {  // no CopyH2D in the Program
+      publish_master();
+      publish_pending_ = false;
+    }
     sync();
     const double dt = seconds_since(t0);
     step_ += 1;
@@ -876,6 +940,8 @@ EngineResult Engine::run() {
   res.measured_steps = int(res.step_seconds.size());
   res.seconds_by_op = seconds_by_op_;
   res.comm = comm_.counters();
+  for (const auto& [k, v] : copy_bytes_) res.comm.bytes[k] += v;
+  for (const auto& [k, v] : copy_calls_) res.comm.calls[k] += v;
   res.expected_bytes = expected_;
   // Memory by category: the engine's own buffers, and the rest of the peak as activations and
   // temporaries.

@@ -334,3 +334,21 @@ TEST_CASE("dssim run: bad input exits 2, a missing GPU exits 1 with a clear mess
     CHECK((cuda.err.find("CUDA") != std::string::npos));
   }
 }
+
+TEST_CASE("CPU offload of optimizer states and ZeRO-3 parameters keeps the losses", "[offload][gloo]") {
+  const std::string base = "--json --steps 8 --nproc 2 --set training.global_batch=8" + std::string(kBuckets);
+  Result s2 = run(base + " --set zero.stage=2");
+  Result s2o = run(base + " --set zero.stage=2 --set zero.offload_optimizer=true");
+  Result s3 = run(base + " --set zero.stage=3");
+  Result s3o = run(base + " --set zero.stage=3 --set zero.offload_optimizer=true --set zero.offload_param=true");
+  for (const Result* r : {&s2, &s2o, &s3, &s3o}) {
+    INFO(r->err);
+    REQUIRE(r->code == 0);
+    require_bytes_match(*r);
+  }
+  CHECK(losses(s2) == losses(s2o));
+  CHECK(max_rel_diff(losses(s3), losses(s3o)) <= 1e-6);
+  CHECK(measured(s2o).at("bytes_per_iteration").contains("copy_d2h/offload_gradient"));
+  CHECK(measured(s3o).at("bytes_per_iteration").contains("copy_h2d/offload_param"));
+  CHECK(measured(s2o).at("seconds_per_iteration_by_instruction").contains("host_optimizer_step"));
+}
