@@ -312,7 +312,7 @@ TEST_CASE("gradient clipping across shards matches stage 0", "[clipping][gloo]")
   CHECK(losses(a) != losses(c));  // the clip is active
 }
 
-TEST_CASE("--data trains byte-level on a text file and the loss falls", "[data]") {
+TEST_CASE("option --data trains byte-level on a text file and the loss falls", "[data]") {
   const std::string data = std::string(DSSIM_TEST_SOURCE_DIR) + "/tests/data/tiny_corpus.txt";
   Result r = run("--json --steps 40 --nproc 1 --set training.global_batch=8 --set optimizer.lr=3e-3 --data " + data);
   INFO(r.err);
