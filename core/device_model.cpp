@@ -1,6 +1,7 @@
 #include "core/device_model.hpp"
 
 #include <algorithm>
+#include "core/device_profile.hpp"
 
 namespace dssim {
 
@@ -11,7 +12,11 @@ DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute reco
     : cluster_(cluster),
       recompute_(recompute),
       flash_attention_(flash_attention),
-      peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16) {}
+      peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16),
+      dtype_(dtype) {
+  if (!cluster.device_profile.empty())
+    profile_ = shared_device_profile(resolve_device_profile_path(cluster.device_profile));
+}
 
 // Saturating curve: small GEMMs cannot fill the GPU's SMs (wave quantization, launch latency);
 // large ones reach the plateau. eff(f) = plateau * f / (f + f_half).
@@ -21,6 +26,9 @@ double DeviceModel::gemm_efficiency(double flops) const {
 }
 
 double DeviceModel::kernel_seconds(const LayerOp& op) const {
+  // A measured kernel: back-to-back timing already includes what launches cost in a stream.
+  if (profile_)
+    if (auto t = profile_->kernel_seconds(op, dtype_, flash_attention_)) return *t;
   // Unfused attention (Megatron 2021): batched QK^T / attention-over-V GEMMs and a softmax that
   // reads and writes the s x s scores: the generic roofline below, with their HBM bytes.
   if (!flash_attention_ || !op.attention_core) return roofline_seconds(op);
@@ -85,6 +93,9 @@ double DeviceModel::host_seconds(const Instruction& inst) const {
 }
 
 double DeviceModel::copy_seconds(const Instruction& inst) const {
+  if (profile_ && inst.bytes > 0)
+    if (auto bw = profile_->copy_bytes_per_second(inst.op == Op::CopyH2D ? "h2d" : "d2h", inst.bytes))
+      return inst.bytes / *bw;
   return cluster_.gpu.pcie_latency + inst.bytes / cluster_.gpu.pcie_bandwidth;
 }
 

@@ -3,10 +3,13 @@
 //   t(kernel) = max(flops / (peak * eff(kernel)), bytes / (hbm_bandwidth * memory_efficiency)) + launch
 // Shared by the analytic estimator and the simulator so both agree when nothing contends.
 #pragma once
+#include <memory>
 #include "core/program.hpp"
 #include "core/scenario.hpp"
 
 namespace dssim {
+
+struct DeviceProfile;  // core/device_profile.hpp
 
 class DeviceModel {
  public:
@@ -25,6 +28,8 @@ class DeviceModel {
 
   double peak_flops() const { return peak_; }
   const ClusterSpec& cluster() const { return cluster_; }
+  // The measured profile named by cluster.device_profile; null when the preset curves apply.
+  const DeviceProfile* profile() const { return profile_.get(); }
 
  private:
   double gemm_efficiency(double flops) const;
@@ -33,6 +38,8 @@ class DeviceModel {
   Recompute recompute_;
   bool flash_attention_;
   double peak_;
+  Dtype dtype_;
+  std::shared_ptr<const DeviceProfile> profile_;
 };
 
 }  // namespace dssim

@@ -130,6 +130,9 @@ struct ClusterSpec {
   double switch_latency = 0.5e-6;    // per switch hop
   double host_memory_bytes = 1024e9; // per node
   double host_memory_bandwidth = 100e9;  // bytes/s per node (CPU optimizer step is bound by it)
+  // A measured device profile (core/device_profile.hpp, written by `dssim calibrate`) the device
+  // model uses in place of the GPU preset's curves; empty = presets only.
+  std::string device_profile;
   int world() const { return nodes * gpus_per_node; }
 };
 

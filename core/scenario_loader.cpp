@@ -264,6 +264,7 @@ const std::vector<Field>& fields() {
     add("cluster.switch_latency", [](Scenario& s, const Entry& e) { s.cluster.switch_latency = get_non_negative(e, D::Time); });
     add("cluster.host_memory", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bytes = get_positive(e, D::Bytes); });
     add("cluster.host_memory_bandwidth", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bandwidth = get_positive(e, D::Bandwidth); });
+    add("cluster.device_profile", [](Scenario& s, const Entry& e) { s.cluster.device_profile = get_string(e); });
     // cluster.gpu
     add("cluster.gpu.preset", [](Scenario&, const Entry& e) { get_string(e); });
     add("cluster.gpu.name", [](Scenario& s, const Entry& e) { s.cluster.gpu.name = get_string(e); });
@@ -732,6 +733,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "oversubscription" << YAML::Value << c.oversubscription << YAML::Key << "switch_latency" << YAML::Value << c.switch_latency;
   y << YAML::Key << "host_memory" << YAML::Value << c.host_memory_bytes;
   y << YAML::Key << "host_memory_bandwidth" << YAML::Value << c.host_memory_bandwidth;
+  if (!c.device_profile.empty()) y << YAML::Key << "device_profile" << YAML::Value << c.device_profile;
   const auto& g = c.gpu;
   y << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap;
   y << YAML::Key << "name" << YAML::Value << g.name;

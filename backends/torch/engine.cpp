@@ -80,6 +80,7 @@ class Engine {
     checkpoint_activations_ = sc.recompute != Recompute::none;
     offload_ = sc.zero.offload_optimizer;
     offload_param_ = sc.zero.offload_param && stage_ == 3;
+    overlap_ = sc.zero.overlap_comm;
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
     part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_));
     allocate();
@@ -226,6 +227,10 @@ class Engine {
   }
 
   const std::vector<at::Tensor>& param(int u, const char* why) {
+    if (stage_ == 3 && !deferred_.empty()) {
+      const int g = group_of(u);
+      flush([g](const Deferred& d) { return d.kind == Deferred::Gather3 && d.key == g; });
+    }
     if (stage_ == 3 && !gathered_[group_of(u)])
       throw std::runtime_error(std::string("Program error: ") + why + " of layer " + std::to_string(group_of(u)) +
                                " before its ZeRO-3 parameters were gathered");
@@ -233,6 +238,7 @@ class Engine {
   }
 
   void forward(const Instruction& in) {
+    flush([](const Deferred& d) { return d.kind != Deferred::Gather3; });
     const int mb = in.micro_batch;
     auto& st = mbs_[mb];
     const int lb = std::max(0, in.layer_begin);
@@ -282,6 +288,9 @@ class Engine {
 
   void backward(const Instruction& in) {
     const int mb = in.micro_batch;
+    flush([mb](const Deferred& d) {
+      return d.kind == Deferred::Gather12 || (d.kind == Deferred::Reduce && d.micro_batch != mb);
+    });
     auto& st = mbs_[mb];
     const int lb = std::max(0, in.layer_begin);
     const int le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
@@ -376,21 +385,27 @@ class Engine {
       const auto& b = part_.grad_buckets[k];
       check_bytes(in, double(b.range.count) * elt16());
       auto buf = grad16_.narrow(0, b.range.begin, b.range.count);
+      grad_dirty_[k] = false;
       if (in.op == Op::AllReduce || stage_ == 0) {
-        comm_.allreduce(buf, in.purpose)->wait();
-        fold_full(b.range, buf, k);
+        auto work = comm_.allreduce(buf, in.purpose);
+        defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
+                 fold_full(part_.grad_buckets[k].range, buf, k);
+                 buf.zero_();
+               }});
       } else {
         // DeepSpeed reduces each rank's intersection with the bucket to its owner; the same data
         // moves as in a reduce-scatter of the bucket.
-        const Range mine = b.sub_shards[rank_];
-        reduce_to_owners(buf, in);
-        if (mine.count > 0) {
-          const Range shard = part_.shard(rank_);
-          accumulate(k, mine.begin - shard.begin, buf.narrow(0, mine.begin - b.range.begin, mine.count));
-        }
+        auto work = reduce_to_owners(buf, in);
+        defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
+                 const auto& b = part_.grad_buckets[k];
+                 const Range mine = b.sub_shards[rank_];
+                 if (mine.count > 0) {
+                   const Range shard = part_.shard(rank_);
+                   accumulate(k, mine.begin - shard.begin, buf.narrow(0, mine.begin - b.range.begin, mine.count));
+                 }
+                 buf.zero_();
+               }});
       }
-      buf.zero_();
-      grad_dirty_[k] = false;
     } else {
       const int gi = k;
       if (gi < 0 || gi >= int(part_.stage3_groups.size()))
@@ -403,18 +418,20 @@ class Engine {
       for (int r = 0; r < dp_; ++r) parts.push_back(full_to_shard(gi, gradg_[gi], r));
       auto input = at::cat(parts);
       auto out = at::empty({g.shard_numel}, input.options());
-      comm_.reduce_scatter(out, input, in.purpose)->wait();
-      accumulate(gi, group_shard_offset_[gi], out);
-      drop_group_grad(gi);
+      auto work = comm_.reduce_scatter(out, input, in.purpose);
+      drop_group_grad(gi);  // the input is a copy
+      defer({Deferred::Reduce, gi, in.micro_batch, work, [this, gi, out, input]() {
+               accumulate(gi, group_shard_offset_[gi], out);
+             }});
     }
   }
 
-  void reduce_to_owners(at::Tensor& buf, const Instruction& in) {
+  std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const Instruction& in) {
     // A bucket's owners hold uneven intersections of it (DeepSpeed's average_tensor).
     const auto& b = part_.grad_buckets[in.bucket];
     std::vector<std::pair<int64_t, int64_t>> owners;
     for (const Range& r : b.sub_shards) owners.push_back({r.begin - b.range.begin, r.count});
-    comm_.reduce_to_owners(buf, owners, in.purpose)->wait();
+    return comm_.reduce_to_owners(buf, owners, in.purpose);
   }
 
   // Reduced gradients (this rank's part) into the fp32 accumulator of the optimizer. With the
@@ -489,11 +506,14 @@ class Engine {
       check_bytes(in, double(b.count_per_rank) * dp_ * elt16());
       auto mine = flat16_.narrow(0, part_.shard(rank_).begin + b.shard_offset, b.count_per_rank).clone();
       auto out = at::empty({b.count_per_rank * dp_}, mine.options());
-      comm_.all_gather(out, mine, in.purpose)->wait();
-      auto rows = out.view({dp_, b.count_per_rank});
-      at::NoGradGuard ng;
-      for (int r = 0; r < dp_; ++r)
-        flat16_.narrow(0, part_.shard(r).begin + b.shard_offset, b.count_per_rank).copy_(rows[r]);
+      auto work = comm_.all_gather(out, mine, in.purpose);
+      defer({Deferred::Gather12, k, -1, work, [this, out, mine, k]() {
+               const auto& b = part_.allgather_buckets[k];
+               auto rows = out.view({dp_, b.count_per_rank});
+               at::NoGradGuard ng;
+               for (int r = 0; r < dp_; ++r)
+                 flat16_.narrow(0, part_.shard(r).begin + b.shard_offset, b.count_per_rank).copy_(rows[r]);
+             }});
     } else {
       if (in.bucket < 0 || in.bucket >= int(part_.stage3_groups.size()))
         throw std::runtime_error("Program error: ZeRO-3 all-gather of group " + std::to_string(in.bucket));
@@ -515,14 +535,61 @@ class Engine {
       }
     }
     auto out = at::empty({g.padded_numel()}, mine.options());
-    if (in) comm_.all_gather(out, mine, in->purpose)->wait();
-    else if (dp_ == 1) out.copy_(mine);
-    else comm_.all_gather(out, mine, Purpose::None)->wait();
-    at::NoGradGuard ng;
-    reallocate_storage(full16_[gi], size_t(g.numel) * size_t(elt16()));
-    gathered_to_full(gi, out, full16_[gi]);
-    gathered_[gi] = true;
+    auto refill = [this, gi, out, mine]() {
+      at::NoGradGuard ng;
+      reallocate_storage(full16_[gi], size_t(part_.stage3_groups[gi].numel) * size_t(elt16()));
+      gathered_to_full(gi, out, full16_[gi]);
+      gathered_[gi] = true;
+    };
+    if (!in && dp_ == 1) {
+      out.copy_(mine);
+      refill();
+      return;
+    }
+    auto work = comm_.all_gather(out, mine, in ? in->purpose : Purpose::None);
+    // A prefetched layer is refilled when it is first used.
+    if (in) defer({Deferred::Gather3, gi, -1, work, refill});
+    else {
+      work->wait();
+      refill();
+    }
   }
+
+  // ---- overlap ------------------------------------------------------------------------------
+  // A collective's result is consumed later than it is issued, as on a comm stream: gradient
+  // reductions complete when the next micro-batch (or the optimizer) needs the buckets, ZeRO-3
+  // gathers when their layer is first used, so communication overlaps the compute in between
+  // (gloo works on its own threads; nccl on its own stream). overlap_comm = false completes each
+  // at once.
+  struct Deferred {
+    enum Kind { Reduce, Gather12, Gather3 } kind;
+    int key;          // bucket or layer group
+    int micro_batch;  // of a reduction
+    std::shared_ptr<Work> work;
+    std::function<void()> post;
+  };
+  void defer(Deferred d) {
+    if (!overlap_) {
+      finish(d);
+      return;
+    }
+    deferred_.push_back(std::move(d));
+  }
+  void finish(Deferred& d) {
+    auto t0 = Clock::now();
+    d.work->wait();
+    comm_wait_seconds_ += seconds_since(t0);
+    d.post();
+  }
+  template <class Pred>
+  void flush(Pred pred) {
+    std::vector<Deferred> keep;
+    std::vector<Deferred> todo;
+    for (auto& d : deferred_) (pred(d) ? todo : keep).push_back(std::move(d));
+    deferred_.swap(keep);
+    for (auto& d : todo) finish(d);  // in issue order
+  }
+  void flush_all() { flush([](const Deferred&) { return true; }); }
 
   double elt16() const { return double(at::elementSize(dtype_)); }
 
@@ -535,6 +602,7 @@ class Engine {
 
   // ---- optimizer ----------------------------------------------------------------------------
   void optimizer_step() {
+    flush_all();
     at::NoGradGuard ng;
     fold_unreduced();
     const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
@@ -596,6 +664,7 @@ class Engine {
   }
 
   void copy_d2h(const Instruction& in) {
+    flush([](const Deferred& d) { return d.kind == Deferred::Reduce; });
     if (!offload_ || in.purpose != Purpose::OffloadGradient)
       throw std::runtime_error("Program error: device-to-host copy without optimizer offload");
     if (in.bucket >= 0 && in.bucket < int(grad_dirty_.size())) fold_local_bucket(in.bucket);
@@ -789,7 +858,7 @@ class Engine {
       const Instruction& in = rp.instructions[pc_];
       const bool timed = measuring_;
       auto t0 = Clock::now();
-      const double rc0 = recompute_seconds_;
+      const double rc0 = recompute_seconds_, cw0 = comm_wait_seconds_;
       for (int rep = 0; rep < std::max(1, in.repeat); ++rep) {
         switch (in.op) {
           case Op::Forward: forward(in); after_use(in); break;
@@ -816,9 +885,10 @@ class Engine {
       if (timed) {
         sync();
         const double dt = seconds_since(t0);
-        const double rc = recompute_seconds_ - rc0;
-        seconds_by_op_[to_string(in.op)] += dt - rc;
+        const double rc = recompute_seconds_ - rc0, cw = comm_wait_seconds_ - cw0;
+        seconds_by_op_[to_string(in.op)] += dt - rc - cw;
         if (rc > 0) seconds_by_op_["recompute"] += rc;
+        if (cw > 0) seconds_by_op_["dp_comm_wait"] += cw;
         if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D)
           expected_[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
       }
@@ -875,7 +945,9 @@ class Engine {
   size_t pc_ = 0;
   double step_scale_ = 1;
   bool step_skipped_ = false, measuring_ = false;
-  double recompute_seconds_ = 0;
+  double recompute_seconds_ = 0, comm_wait_seconds_ = 0;
+  bool overlap_ = true;
+  std::vector<Deferred> deferred_;
   std::map<std::string, double> seconds_by_op_, expected_;
 };
 
@@ -905,6 +977,11 @@ EngineResult Engine::run() {
     sync();
     auto t0 = Clock::now();
     execute(rp);
+    {
+      const double cw0 = comm_wait_seconds_;
+      flush_all();
+      if (measuring_ && comm_wait_seconds_ > cw0) seconds_by_op_["dp_comm_wait"] += comm_wait_seconds_ - cw0;
+    }
     if (publish_pending_) {  // no CopyH2D in the Program
       publish_master();
       publish_pending_ = false;
