@@ -352,3 +352,13 @@ TEST_CASE("CPU offload of optimizer states and ZeRO-3 parameters keeps the losse
   CHECK(measured(s3o).at("bytes_per_iteration").contains("copy_h2d/offload_param"));
   CHECK(measured(s2o).at("seconds_per_iteration_by_instruction").contains("host_optimizer_step"));
 }
+
+// Hidden on CI (no GPU there): `dssim_torch_tests "[.gpu]"` on a GPU machine with a CUDA build.
+TEST_CASE("cuda: the tiny model trains on a GPU like on the CPU", "[.gpu]") {
+  Result cpu = run("--json --steps 5 --nproc 1 --set zero.stage=1 --set training.global_batch=4");
+  Result gpu = run("--json --steps 5 --nproc 1 --set zero.stage=1 --set training.global_batch=4 --backend cuda");
+  INFO(gpu.err);
+  REQUIRE(cpu.code == 0);
+  REQUIRE(gpu.code == 0);
+  CHECK(max_rel_diff(losses(cpu), losses(gpu)) <= 1e-3);  // TF32 / kernel choice aside
+}
