@@ -82,6 +82,22 @@ grep -E "dssim_torch" "$OUT/cmake.log" || true
 cmake --build "$BUILD" --target dssim_torch_run -j"$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
 
+# Smoke runs of the tiny model on the GPU: the code paths the 1.3B ZeRO-1 run does not take
+# (ZeRO-3 storage release / refill, fp16 with the loss scaler, offload with pinned host memory).
+TINY="$ROOT/scenarios/tiny/tiny_dp2.yaml"
+for extra in "--set zero.stage=0 --set precision.dtype=fp32" \
+             "--set zero.stage=3 --set precision.dtype=bf16" \
+             "--set zero.stage=2 --set precision.dtype=fp16 --set precision.loss_scale.initial_scale_power=8" \
+             "--set zero.stage=2 --set precision.dtype=bf16 --set zero.offload_optimizer=true" \
+             "--set zero.stage=3 --set precision.dtype=bf16 --set zero.offload_optimizer=true --set zero.offload_param=true"; do
+  # shellcheck disable=SC2086
+  if "$BUILD/dssim_torch_run" "$TINY" --backend cuda --nproc 1 --steps 6 --quiet --json $extra > "$OUT/tiny.json" 2> "$OUT/tiny.err"; then
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("tiny cuda ok:", sys.argv[2], "losses", [round(x, 4) for x in d["losses"]])' "$OUT/tiny.json" "$extra"
+  else
+    echo "tiny cuda FAILED: $extra"; tail -5 "$OUT/tiny.err"
+  fi
+done
+
 for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"

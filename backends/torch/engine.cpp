@@ -77,7 +77,11 @@ class Engine {
                                   std::to_string(rank_) + " (built representative-only?)");
     micro_batch_ = sc.training.micro_batch;
     grad_accum_ = sc.training.grad_accum;
-    checkpoint_activations_ = sc.recompute != Recompute::none;
+    // full: every block is recomputed from its input in backward. selective: only the attention
+    // core; SDPA's flash / memory-efficient kernels (libtorch >= 2.0) already keep no attention
+    // matrix and recompute it in their backward, so there selective adds nothing.
+    checkpoint_activations_ = sc.recompute == Recompute::full;
+    recompute_attention_ = sc.recompute == Recompute::selective && !flash_attention_available();
     offload_ = sc.zero.offload_optimizer;
     offload_param_ = sc.zero.offload_param && stage_ == 3;
     overlap_ = sc.zero.overlap_comm;
@@ -256,11 +260,11 @@ class Engine {
       at::Tensor y;
       if (checkpoint_activations_) {
         at::NoGradGuard ng;
-        y = block_forward(cfg_, param(u, "forward"), x);
+        y = block_forward(cfg_, param(u, "forward"), x, recompute_attention_);
         st.segments.push_back({u, x, {}});
         st.segments.back().output = y;  // kept only as the next input; dropped in backward
       } else {
-        y = block_forward(cfg_, param(u, "forward"), x);
+        y = block_forward(cfg_, param(u, "forward"), x, recompute_attention_);
         st.segments.push_back({u, x, y});
       }
     }
@@ -318,7 +322,7 @@ class Engine {
       at::Tensor out = seg.output;
       if (checkpoint_activations_) {
         auto t0 = Clock::now();
-        out = block_forward(cfg_, p, seg.input);
+        out = block_forward(cfg_, p, seg.input, recompute_attention_);
         recompute_seconds_ += seconds_since(t0);
       }
       torch::autograd::backward({out}, {grad});
@@ -920,6 +924,7 @@ class Engine {
   DynamicLossScaler scaler_;
   DataSource data_;
   int micro_batch_ = 1, grad_accum_ = 1;
+  bool recompute_attention_ = false;
   bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false, publish_pending_ = false;
   std::map<int, std::vector<std::pair<int64_t, at::Tensor>>> d2h_pending_;
   std::map<int, at::Tensor> staged_;

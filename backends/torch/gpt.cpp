@@ -100,13 +100,41 @@ at::Tensor embed_forward(const GptConfig& c, const std::vector<at::Tensor>& embe
   return at::embedding(v[0], tokens) + at::embedding(v[1], pos).unsqueeze(0);
 }
 
-at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x_in) {
+namespace {
+// Selective activation checkpointing (Korthikanti et al. 2022): the attention core keeps only its
+// inputs and is recomputed in backward.
+struct RecomputedAttention : torch::autograd::Function<RecomputedAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v) {
+    ctx->save_for_backward({q, k, v});
+    at::NoGradGuard ng;
+    return causal_attention(q, k, v);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> in;
+    for (auto& t : saved) in.push_back(t.detach().requires_grad_(true));
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = causal_attention(in[0], in[1], in[2]);
+    }
+    return torch::autograd::grad({out}, {in[0], in[1], in[2]}, {grad_out[0]});
+  }
+};
+}  // namespace
+
+at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x_in,
+                         bool recompute_attention) {
   const at::Tensor x = block[0].scalar_type() == at::kHalf && block[0].device().is_cpu() ? x_in.to(at::kFloat) : x_in;
   auto v = compute_view(block);
   const int64_t B = x.size(0), S = x.size(1), h = c.hidden, a = c.heads, d = h / a;
   auto y = layer_norm(x, h, v[0], v[1]);
   auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4});
-  auto att = causal_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({B, S, h});
+  auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
+                                  : causal_attention(qkv[0], qkv[1], qkv[2]);
+  auto att = core.transpose(1, 2).reshape({B, S, h});
   auto x1 = x + at::linear(att, v[4], v[5]);
   auto y2 = layer_norm(x1, h, v[6], v[7]);
   auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");

@@ -40,7 +40,9 @@ void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed);
 // The forward functions take a unit's parameter tensors in unit_params order (unit_views of its
 // flat tensor, or the engine's per-parameter leaves).
 at::Tensor embed_forward(const GptConfig& c, const std::vector<at::Tensor>& embed, const at::Tensor& tokens);
-at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x);
+// recompute_attention: selective checkpointing, the attention core is recomputed in backward.
+at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x,
+                         bool recompute_attention = false);
 // Final LayerNorm, tied LM head, mean cross-entropy in fp32.
 at::Tensor head_loss(const GptConfig& c, const std::vector<at::Tensor>& final_norm,
                      const std::vector<at::Tensor>& embed, const at::Tensor& x, const at::Tensor& targets);

@@ -362,3 +362,12 @@ TEST_CASE("cuda: the tiny model trains on a GPU like on the CPU", "[.gpu]") {
   REQUIRE(gpu.code == 0);
   CHECK(max_rel_diff(losses(cpu), losses(gpu)) <= 1e-3);  // TF32 / kernel choice aside
 }
+
+TEST_CASE("selective activation checkpointing recomputes the attention core and matches", "[recompute][gloo]") {
+  Result a = run("--json --steps 6 --nproc 2 --set zero.stage=1");
+  Result b = run("--json --steps 6 --nproc 2 --set zero.stage=1 --set activation_checkpointing=selective");
+  INFO(a.err << b.err);
+  REQUIRE(a.code == 0);
+  REQUIRE(b.code == 0);
+  CHECK(losses(a) == losses(b));
+}
