@@ -530,7 +530,7 @@ std::string device_profile_summary(const DeviceProfile& p) {
     auto v = groups[name].v;
     std::sort(v.begin(), v.end());
     const double s = groups[name].scale;
-    std::snprintf(line, sizeof line, "%-28s %5zu %10.1f %10.1f %10.1f  %s\n", name.c_str(), v.size(), v.front() / s,
+    std::snprintf(line, sizeof line, "%-28s %5zu %10.4g %10.4g %10.4g  %s\n", name.c_str(), v.size(), v.front() / s,
                   v[v.size() / 2] / s, v.back() / s, groups[name].unit.c_str());
     o << line;
   }

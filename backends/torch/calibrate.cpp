@@ -1,0 +1,472 @@
+#include "backends/torch/calibrate.hpp"
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include "backends/torch/torch_compat.hpp"
+
+#if defined(DSSIM_TORCH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+#if defined(DSSIM_HAVE_NCCL)
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace dssim::tb {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+at::ScalarType scalar_type(Dtype d) {
+  return d == Dtype::fp32 ? at::kFloat : d == Dtype::fp16 ? at::kHalf : at::kBFloat16;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+// Times `calls` back-to-back calls: CUDA events around them on the current stream (what the
+// kernels themselves take, launch overhead hidden as in training), wall clock on CPUs.
+class Timer {
+ public:
+  explicit Timer(const at::Device& device) : device_(device) {
+#if defined(DSSIM_TORCH_CUDA)
+    if (device_.is_cuda()) {
+      cudaEventCreate(&start_);
+      cudaEventCreate(&stop_);
+    }
+#endif
+  }
+  ~Timer() {
+#if defined(DSSIM_TORCH_CUDA)
+    if (device_.is_cuda()) {
+      cudaEventDestroy(start_);
+      cudaEventDestroy(stop_);
+    }
+#endif
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+
+  double seconds(const std::function<void()>& fn, int calls) {
+#if defined(DSSIM_TORCH_CUDA)
+    if (device_.is_cuda()) {
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      cudaEventRecord(start_, stream);
+      for (int i = 0; i < calls; ++i) fn();
+      cudaEventRecord(stop_, stream);
+      cudaEventSynchronize(stop_);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start_, stop_);
+      return ms * 1e-3;
+    }
+#endif
+    const auto t0 = Clock::now();
+    for (int i = 0; i < calls; ++i) fn();
+    device_synchronize(device_);
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+
+  // Seconds per call: two warm-up calls, then the median of samples of `inner` calls each, with
+  // `inner` chosen so a sample lasts at least ~1 ms (event resolution) and the samples together
+  // about `budget` seconds.
+  double measure(const std::function<void()>& fn, double budget, int* samples_out = nullptr) {
+    fn();
+    fn();
+    device_synchronize(device_);
+    const double one = std::max(seconds(fn, 1), 1e-7);
+    const int inner = std::max(1, static_cast<int>(std::ceil(1e-3 / one)));
+    const int samples = std::clamp(static_cast<int>(budget / (inner * one)), 3, 15);
+    std::vector<double> t;
+    for (int i = 0; i < samples; ++i) t.push_back(seconds(fn, inner) / inner);
+    std::sort(t.begin(), t.end());
+    if (samples_out) *samples_out = samples;
+    return t[t.size() / 2];
+  }
+
+ private:
+  at::Device device_;
+#if defined(DSSIM_TORCH_CUDA)
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+#endif
+};
+
+struct Grid {
+  std::vector<int> hidden, tokens, tp;
+  std::vector<int> seq, head_dim, batch_heads;
+  std::vector<int64_t> elements;   // elementwise tensor sizes
+  std::vector<int64_t> copy_bytes;
+  std::vector<int64_t> collective_bytes;
+};
+
+Grid grid(bool cuda, bool quick) {
+  Grid g;
+  if (quick) {
+    g.hidden = {64, 256};
+    g.tokens = {32, 256};
+    g.tp = {1, 2};
+    g.seq = {32, 128};
+    g.head_dim = {16, 64};
+    g.batch_heads = {4, 16};
+    g.elements = {1 << 10, 1 << 14, 1 << 18};
+    g.copy_bytes = {1 << 16, 1 << 20};
+    g.collective_bytes = {1 << 20, 1 << 24};
+  } else if (cuda) {
+    // Issue 4's ranges: hidden 1024-16384, tokens 512-16384, TP 1-8 (about 550 distinct GEMMs).
+    g.hidden = {1024, 2048, 4096, 6144, 8192, 12288, 16384};
+    g.tokens = {512, 1024, 2048, 4096, 8192, 16384};
+    g.tp = {1, 2, 4, 8};
+    g.seq = {512, 1024, 2048, 4096, 8192, 16384};
+    g.head_dim = {64, 128};
+    g.batch_heads = {8, 32, 128};
+    for (int e = 16; e <= 28; e += 2) g.elements.push_back(int64_t(1) << e);
+    for (int e = 16; e <= 30; e += 2) g.copy_bytes.push_back(int64_t(1) << e);
+    for (int e = 16; e <= 30; e += 2) g.collective_bytes.push_back(int64_t(1) << e);
+  } else {  // a full CPU calibration: small transformer sizes
+    g.hidden = {256, 512, 1024, 2048};
+    g.tokens = {128, 512, 2048};
+    g.tp = {1, 2, 4};
+    g.seq = {128, 512, 1024};
+    g.head_dim = {64};
+    g.batch_heads = {4, 16};
+    for (int e = 12; e <= 24; e += 3) g.elements.push_back(int64_t(1) << e);
+  }
+  return g;
+}
+
+struct GemmShape {
+  std::string op;
+  int64_t m, n, k;
+  bool operator<(const GemmShape& o) const { return std::tie(m, n, k) < std::tie(o.m, o.n, o.k); }
+};
+
+std::vector<GemmShape> transformer_gemms(const Grid& g) {
+  std::set<GemmShape> shapes;  // distinct (m, n, k); the first op that asks for one names it
+  for (int h : g.hidden)
+    for (int t : g.tp) {
+      if (h % t || h / t < 16) continue;
+      for (int tokens : g.tokens) {
+        shapes.insert({"qkv", tokens, 3 * h / t, h});
+        shapes.insert({"attention_proj", tokens, h, h / t});
+        shapes.insert({"mlp_up", tokens, 4 * h / t, h});
+        shapes.insert({"mlp_down", tokens, h, 4 * h / t});
+      }
+    }
+  return {shapes.begin(), shapes.end()};
+}
+
+void say(const CalibrateOptions& o, const std::string& line) {
+  if (o.progress) o.progress(line);
+}
+
+std::string fmt(double v, const char* unit) {
+  std::ostringstream s;
+  s.precision(4);
+  s << v << " " << unit;
+  return s.str();
+}
+
+void measure_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  const auto shapes = transformer_gemms(g);
+  for (Dtype dtype : o.dtypes) {
+    const auto t0 = Clock::now();
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    double best = 0;
+    for (const auto& s : shapes) {
+      // y = x W^T, as a linear layer runs it (cuBLAS picks its kernel for the transposed operand).
+      at::Tensor x = at::randn({s.m, s.k}, opts), w = at::randn({s.n, s.k}, opts), y = at::empty({s.m, s.n}, opts);
+      at::Tensor wt = w.t();
+      const double sec = timer.measure([&] { at::mm_out(y, x, wt); }, o.seconds_per_point);
+      GemmPoint pt;
+      pt.op = s.op;
+      pt.dtype = dtype;
+      pt.m = double(s.m), pt.n = double(s.n), pt.k = double(s.k);
+      pt.seconds = sec;
+      pt.flops_per_second = 2.0 * pt.m * pt.n * pt.k / sec;
+      best = std::max(best, pt.flops_per_second);
+      p.gemm.push_back(pt);
+    }
+    say(o, "gemm " + std::string(to_string(dtype)) + ": " + std::to_string(shapes.size()) + " shapes, best " +
+               fmt(best / 1e12, "TFLOP/s") + " (" + fmt(std::chrono::duration<double>(Clock::now() - t0).count(), "s") + ")");
+  }
+}
+
+at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  const double scale = 1.0 / std::sqrt(double(q.size(-1)));
+  auto scores = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
+  scores.masked_fill_(mask, -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), v);
+}
+
+void measure_attention(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  const bool sdpa = flash_attention_available();
+  for (Dtype dtype : o.dtypes) {
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    int flash_points = 0, plain_points = 0;
+    for (int bh : g.batch_heads)
+      for (int s : g.seq)
+        for (int d : g.head_dim) {
+          at::Tensor q = at::randn({1, bh, s, d}, opts), k = at::randn({1, bh, s, d}, opts), v = at::randn({1, bh, s, d}, opts);
+          const double flops = 4.0 * bh * double(s) * s * d;  // dssim's count: both GEMMs, no causal halving
+          auto record = [&](const char* kernel, double sec) {
+            AttentionPoint a;
+            a.kernel = kernel;
+            a.dtype = dtype;
+            a.batch_heads = bh, a.seq_len = s, a.head_dim = d;
+            a.causal = true;
+            a.seconds = sec;
+            a.flops_per_second = flops / sec;
+            p.attention.push_back(a);
+          };
+          if (sdpa) {
+            record("flash", timer.measure([&] { causal_attention(q, k, v); }, o.seconds_per_point));
+            ++flash_points;
+          }
+          // The unfused composition materializes bh x s x s scores (several copies): keep it small.
+          if (double(bh) * s * s <= (dev.is_cuda() ? 1.5e9 : 3e7)) {
+            at::Tensor mask = at::ones({s, s}, opts.dtype(at::kBool)).triu_(1);
+            record("plain", timer.measure([&] { plain_attention(q, k, v, mask); }, o.seconds_per_point));
+            ++plain_points;
+          }
+        }
+    say(o, "attention " + std::string(to_string(dtype)) + ": " + std::to_string(flash_points) + " flash (scaled_dot_product_attention), " +
+               std::to_string(plain_points) + " plain");
+  }
+  if (!sdpa)
+    p.metadata.notes.push_back("libtorch " + std::string(TORCH_VERSION) +
+                               " has no scaled_dot_product_attention: attention measured as matmul-softmax-matmul (plain) only");
+}
+
+void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  for (Dtype dtype : o.dtypes) {
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    const double e = bytes_of(dtype);
+    double best = 0;
+    for (int64_t n : g.elements) {
+      at::Tensor a = at::randn({n}, opts), b = at::randn({n}, opts), c = at::empty({n}, opts);
+      auto record = [&](const char* op, double bytes, double sec) {
+        BandwidthPoint r;
+        r.op = op;
+        r.dtype = dtype;
+        r.bytes = bytes;
+        r.bytes_per_second = bytes / sec;
+        best = std::max(best, r.bytes_per_second);
+        p.elementwise.push_back(r);
+      };
+      record("add", 3 * e * n, timer.measure([&] { at::add_out(c, a, b); }, o.seconds_per_point));
+      record("gelu", 2 * e * n, timer.measure([&] { (void)at::gelu(a); }, o.seconds_per_point));
+      const int64_t h = std::min<int64_t>(n, o.quick ? 256 : 4096);
+      at::Tensor x = a.view({n / h, h}), gain = at::ones({h}, opts), bias = at::zeros({h}, opts);
+      record("layer_norm", 2 * e * n + 2 * e * h,
+             timer.measure([&] { (void)at::layer_norm(x, {h}, gain, bias, 1e-5, true); }, o.seconds_per_point));
+    }
+    say(o, "elementwise " + std::string(to_string(dtype)) + ": add, gelu, layer_norm over " + std::to_string(g.elements.size()) +
+               " sizes, best " + fmt(best / 1e9, "GB/s"));
+  }
+}
+
+void measure_copies(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  if (!dev.is_cuda()) {
+    p.metadata.notes.push_back("copy: no host <-> device copies on the cpu backend");
+    say(o, "copy: skipped (cpu backend)");
+    return;
+  }
+  double h2d = 0, d2h = 0;
+  for (int64_t bytes : g.copy_bytes) {
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    at::Tensor device = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(dev));
+    host.fill_(1);
+    const double up = timer.measure([&] { device.copy_(host, /*non_blocking=*/true); }, o.seconds_per_point);
+    const double down = timer.measure([&] { host.copy_(device, /*non_blocking=*/true); }, o.seconds_per_point);
+    p.copy.push_back({"h2d", Dtype::bf16, double(bytes), bytes / up});
+    p.copy.push_back({"d2h", Dtype::bf16, double(bytes), bytes / down});
+    h2d = std::max(h2d, bytes / up);
+    d2h = std::max(d2h, bytes / down);
+  }
+  say(o, "copy (pinned): h2d up to " + fmt(h2d / 1e9, "GB/s") + ", d2h up to " + fmt(d2h / 1e9, "GB/s"));
+}
+
+#if defined(DSSIM_HAVE_NCCL)
+void nccl_check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) throw std::runtime_error(std::string("calibrate: ") + what + ": " + ncclGetErrorString(r));
+}
+void cuda_check(cudaError_t r, const char* what) {
+  if (r != cudaSuccess) throw std::runtime_error(std::string("calibrate: ") + what + ": " + cudaGetErrorString(r));
+}
+
+// nccl-tests' way, in one process: one communicator per GPU (ncclCommInitAll), every call of an
+// iteration inside one group, wall time over `iters` iterations after warm-up; bf16 elements.
+void measure_collectives(const CalibrateOptions& o, const Grid& g, int ngpus, DeviceProfile& p) {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast stays off on shared hosts
+  const int n = ngpus;
+  std::vector<int> devs(n);
+  for (int i = 0; i < n; ++i) devs[i] = i;
+  std::vector<ncclComm_t> comms(n);
+  nccl_check(ncclCommInitAll(comms.data(), n, devs.data()), "ncclCommInitAll");
+  const size_t max_bytes = size_t(*std::max_element(g.collective_bytes.begin(), g.collective_bytes.end()));
+  std::vector<void*> send(n), recv(n);
+  std::vector<cudaStream_t> streams(n);
+  for (int i = 0; i < n; ++i) {
+    cuda_check(cudaSetDevice(i), "cudaSetDevice");
+    cuda_check(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_check(cudaMalloc(&send[i], max_bytes), "cudaMalloc");
+    cuda_check(cudaMalloc(&recv[i], max_bytes), "cudaMalloc");
+    cuda_check(cudaMemset(send[i], 0, max_bytes), "cudaMemset");
+  }
+  const ncclDataType_t type = ncclBfloat16;
+  const size_t e = 2;
+  auto run = [&](const std::string& c, size_t bytes) {
+    const size_t count = bytes / e;
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    for (int r = 0; r < n; ++r) {
+      if (c == "all_reduce") {
+        nccl_check(ncclAllReduce(send[r], recv[r], count, type, ncclSum, comms[r], streams[r]), "ncclAllReduce");
+      } else if (c == "reduce_scatter") {  // size = input bytes
+        nccl_check(ncclReduceScatter(send[r], recv[r], count / n, type, ncclSum, comms[r], streams[r]), "ncclReduceScatter");
+      } else if (c == "all_gather") {      // size = output bytes
+        nccl_check(ncclAllGather(send[r], recv[r], count / n, type, comms[r], streams[r]), "ncclAllGather");
+      } else if (c == "all_to_all") {
+        const size_t chunk = count / n;
+        for (int peer = 0; peer < n; ++peer) {
+          nccl_check(ncclSend(static_cast<char*>(send[r]) + peer * chunk * e, chunk, type, peer, comms[r], streams[r]), "ncclSend");
+          nccl_check(ncclRecv(static_cast<char*>(recv[r]) + peer * chunk * e, chunk, type, peer, comms[r], streams[r]), "ncclRecv");
+        }
+      } else {                             // send_recv: a ring, every rank sends `bytes` to the next
+        nccl_check(ncclSend(send[r], count, type, (r + 1) % n, comms[r], streams[r]), "ncclSend");
+        nccl_check(ncclRecv(recv[r], count, type, (r + n - 1) % n, comms[r], streams[r]), "ncclRecv");
+      }
+    }
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+  };
+  auto sync = [&] {
+    for (int r = 0; r < n; ++r) {
+      cuda_check(cudaSetDevice(r), "cudaSetDevice");
+      cuda_check(cudaStreamSynchronize(streams[r]), "cudaStreamSynchronize");
+    }
+  };
+  for (const std::string c : {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"}) {
+    double best = 0;
+    for (int64_t b : g.collective_bytes) {
+      const size_t bytes = size_t(b) / (e * n) * (e * n);  // divisible into n chunks of whole elements
+      for (int i = 0; i < 3; ++i) run(c, bytes);
+      sync();
+      const int iters = bytes >= (size_t(1) << 28) ? 5 : 20;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) run(c, bytes);
+      sync();
+      const double sec = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+      CollectivePoint x;
+      x.collective = c;
+      x.ranks = n;
+      x.bytes = double(bytes);
+      x.seconds = sec;
+      x.algorithm_bandwidth = bytes / sec;
+      x.bus_bandwidth = x.algorithm_bandwidth * bus_bandwidth_factor(c, n);
+      best = std::max(best, x.bus_bandwidth);
+      p.collectives.push_back(x);
+    }
+    say(o, "nccl " + c + " (" + std::to_string(n) + " GPUs): bus bandwidth up to " + fmt(best / 1e9, "GB/s"));
+  }
+  for (int i = 0; i < n; ++i) {
+    cudaSetDevice(i);
+    cudaFree(send[i]);
+    cudaFree(recv[i]);
+    cudaStreamDestroy(streams[i]);
+    ncclCommDestroy(comms[i]);
+  }
+  cudaSetDevice(0);
+}
+#endif
+
+std::string cpu_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "CPU";
+}
+
+}  // namespace
+
+DeviceProfile calibrate(const CalibrateOptions& in) {
+  CalibrateOptions o = in;
+  const bool cuda = o.backend == "cuda";
+  if (!cuda && o.backend != "cpu") throw CalibrateUsageError("--backend must be cuda or cpu, got '" + o.backend + "'");
+  if (o.dtypes.empty()) o.dtypes = {cuda ? Dtype::bf16 : Dtype::fp32};
+  if (o.quick) o.seconds_per_point = std::min(o.seconds_per_point, 0.005);
+
+  DeviceProfile p;
+  auto& md = p.metadata;
+  md.backend = o.backend;
+  md.date = utc_now();
+  md.tool = o.command_line.empty() ? "dssim calibrate --backend " + o.backend : o.command_line;
+  md.torch_version = TORCH_VERSION;
+  md.timing = cuda ? "CUDA events on the current stream around back-to-back calls; 2 warm-up calls, median of 3-15 samples"
+                   : "std::chrono around back-to-back calls; 2 warm-up calls, median of 3-15 samples";
+  int ngpus = 0;
+  if (cuda) {
+    if (!torch_has_cuda())
+      throw CalibrateUsageError("--backend cuda: this dssim was built against a libtorch without CUDA (" + std::string(TORCH_VERSION) +
+                                "); build with pip torch's libtorch: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')");
+    ngpus = static_cast<int>(torch::cuda::device_count());
+    if (ngpus == 0) throw CalibrateUsageError("--backend cuda: no CUDA GPU is visible (torch::cuda::device_count() is 0)");
+    if (o.device < 0 || o.device >= ngpus)
+      throw CalibrateUsageError("--device " + std::to_string(o.device) + ": only " + std::to_string(ngpus) + " GPU(s) visible");
+    set_cuda_device(o.device);
+    md.gpus = ngpus;
+#if defined(DSSIM_TORCH_CUDA)
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, o.device) == cudaSuccess) md.gpu = prop.name;
+    int v = 0;
+    if (cudaRuntimeGetVersion(&v) == cudaSuccess) md.cuda_version = std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+    if (cudaDriverGetVersion(&v) == cudaSuccess) md.driver_version = "CUDA " + std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+#endif
+    // fp32 rows mean what precision fp32 means to dssim: TF32 off.
+    at::globalContext().setFloat32MatmulPrecision("highest");
+  } else {
+    md.gpu = cpu_name();
+    md.gpus = 0;
+    md.notes.push_back("cpu backend, " + std::to_string(at::get_num_threads()) + " threads");
+  }
+  if (o.quick) md.notes.push_back("--quick: a few tiny shapes, for tests; not a calibration");
+
+  const at::Device dev = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.device)) : at::Device(at::kCPU);
+  torch::NoGradGuard no_grad;
+  Timer timer(dev);
+  const Grid g = grid(cuda, o.quick);
+  const auto t0 = Clock::now();
+  measure_gemms(o, g, dev, timer, p);
+  measure_attention(o, g, dev, timer, p);
+  measure_elementwise(o, g, dev, timer, p);
+  measure_copies(o, g, dev, timer, p);
+  if (!cuda || ngpus < 2 || !o.collectives) {
+    const std::string why = !cuda ? "cpu backend" : ngpus < 2 ? "one GPU visible" : "--no-collectives";
+    md.notes.push_back("collectives: not measured (" + why + ")");
+    say(o, "collectives: skipped (" + why + ")");
+  } else {
+#if defined(DSSIM_HAVE_NCCL)
+    measure_collectives(o, g, ngpus, p);
+#else
+    md.notes.push_back("collectives: not measured (built without NCCL; configure with -DDSSIM_WITH_CUDA=ON)");
+    say(o, "collectives: skipped (built without NCCL)");
+#endif
+  }
+  say(o, "calibrated in " + fmt(std::chrono::duration<double>(Clock::now() - t0).count(), "s"));
+  return p;
+}
+
+}  // namespace dssim::tb

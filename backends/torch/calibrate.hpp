@@ -1,0 +1,35 @@
+// `dssim calibrate`: measures the device it runs on with libtorch and returns a DeviceProfile
+// (core/device_profile.hpp) that the device model reads in place of the preset curves.
+// GEMMs of a transformer layer (QKV, attention projection, MLP up / down) over hidden sizes, token
+// counts and TP splits; attention (scaled_dot_product_attention where the libtorch has it, recorded
+// as "flash", and matmul-softmax-matmul, "plain"); add / gelu / layer_norm bandwidth; pinned
+// host <-> device copies; NCCL collectives when several GPUs are visible (nccl-tests bus bandwidth).
+// Timing: CUDA events on the current stream (std::chrono on CPUs), warm-up, median of samples.
+#pragma once
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include "core/device_profile.hpp"
+
+namespace dssim::tb {
+
+struct CalibrateOptions {
+  std::string backend = "cpu";         // cuda | cpu
+  bool quick = false;                  // a few tiny shapes, seconds (CI)
+  std::vector<Dtype> dtypes;           // empty: bf16 on cuda, fp32 on cpu
+  int device = 0;                      // CUDA device index
+  double seconds_per_point = 0.05;     // timing budget of one measured point (after warm-up)
+  bool collectives = true;             // NCCL collectives when > 1 GPU (and NCCL was built in)
+  std::string command_line;            // recorded in metadata.tool
+  std::function<void(const std::string&)> progress;  // one line per section; may be empty
+};
+
+// What the user can fix (no GPU for --backend cuda, a libtorch without CUDA): exit code 2.
+struct CalibrateUsageError : std::runtime_error {
+  using runtime_error::runtime_error;
+};
+
+DeviceProfile calibrate(const CalibrateOptions&);
+
+}  // namespace dssim::tb
