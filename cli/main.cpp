@@ -13,7 +13,8 @@ void usage(FILE* out) {
                "verbs:\n"
                "  scenario FILE.yaml   predict one training iteration: memory, time, where it goes\n"
                "  run FILE.yaml        train the scenario's model for real (libtorch; --backend cpu|cuda)\n"
-               "  validate             predictions vs published tables (validation/published)\n"
+               "  validate             predictions vs published tables and committed measurements\n"
+               "  compare FILE.yaml    predicted vs measured (--backend cuda|cpu), per instruction kind\n"
                "  calibrate            measure this GPU (or CPU) into a device profile (--backend cuda|cpu)\n"
                "  help                 this text\n\n"
                "`dssim VERB --help` shows the verb's options. Scenario format: docs/scenario-format.md\n");
@@ -48,6 +49,7 @@ int main(int argc, char** argv) {
   if (verb == "run") return dssim::cli::verb_run(argc - 1, argv + 1);
   if (verb == "validate") return dssim::cli::verb_validate(argc - 1, argv + 1);
   if (verb == "calibrate") return dssim::cli::verb_calibrate(argc - 1, argv + 1);
+  if (verb == "compare") return dssim::cli::verb_compare(argc - 1, argv + 1);
   std::fprintf(stderr, "dssim: unknown verb '%s'\n\n", verb.c_str());
   usage(stderr);
   return 2;

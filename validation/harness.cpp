@@ -6,10 +6,14 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "core/memory.hpp"
 #include "core/scenario_loader.hpp"
+#include "validation/compare.hpp"
+
+#include <fstream>
 
 namespace dssim::validation {
 
@@ -87,6 +91,50 @@ void zero_rows(Table& t, const YAML::Node& doc) {
   }
 }
 
+// validation/measured/*.json: runs measured on real GPUs (measurement records, compare.hpp), each
+// re-predicted: iteration time and peak memory per GPU.
+Table measured_table(const std::string& dir, const Predictor& predict) {
+  Table t;
+  t.name = "measured_runs";
+  t.file = "measured/";
+  t.kind = "measured";
+  t.metric = "iteration_seconds and peak memory per GPU";
+  t.unit = "s, GiB";
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".json") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  std::set<std::string> gpus, dates;
+  for (const auto& f : files) {
+    nlohmann::json rec;
+    try {
+      std::ifstream in(f);
+      rec = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      throw ConfigError(f + ": not valid JSON: " + e.what());
+    }
+    const std::string name = fs::path(f).stem().string();
+    const Scenario sc = record_scenario(rec, f);
+    const Report pred = predict(sc);
+    const nlohmann::json& m = rec.at("report");
+    gpus.insert(rec.value("gpu", std::string("?")));
+    dates.insert(rec.value("date", std::string("?")));
+    Row it{name + " iteration", m.at("throughput").value("iteration_seconds", 0.0), pred.iteration_seconds};
+    Row mem{name + " peak memory",
+            m.at("extras").at("measured").at("memory_bytes").value("peak", 0.0) / (1 << 30),
+            pred.memory.total() / (1 << 30)};
+    t.rows.push_back(it);
+    t.rows.push_back(mem);
+  }
+  auto join = [](const std::set<std::string>& v) {
+    std::string r;
+    for (const auto& x : v) r += (r.empty() ? "" : ", ") + x;
+    return r;
+  };
+  t.citation = "measured by `dssim compare --record` on " + join(gpus) + " (" + join(dates) + ")";
+  return t;
+}
+
 }  // namespace
 
 Table run_table(const std::string& path, const Predictor& predict) {
@@ -130,6 +178,15 @@ std::vector<Table> run_validation(const std::string& dir, const Predictor& predi
       t.allowed_mean = thresholds[t.name]["mean_abs_error"].as<double>(-1);
     }
     out.push_back(std::move(t));
+  }
+  const fs::path measured = fs::path(dir) / "measured";
+  if (fs::is_directory(measured) && !fs::is_empty(measured)) {
+    Table t = measured_table(measured.string(), predict);
+    if (thresholds[t.name]) {
+      t.allowed_max = thresholds[t.name]["max_abs_error"].as<double>(-1);
+      t.allowed_mean = thresholds[t.name]["mean_abs_error"].as<double>(-1);
+    }
+    if (!t.rows.empty()) out.push_back(std::move(t));
   }
   return out;
 }

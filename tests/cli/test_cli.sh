@@ -161,6 +161,39 @@ PY
     expect_rc 1
     expect_err "megatron_sc21_table1.*exceed"
     ;;
+  compare_cpu_record)
+    # Measure a tiny scenario on the CPU, record it, and compare again from the record: the
+    # measured side must come back identical, the predicted side from the same Program.
+    run compare scenarios/tiny/tiny_dp2.yaml --backend cpu --nproc 2 --steps 4 --record "$TMP/outdir/rec.json" --json
+    expect_rc 0
+    cp "$TMP/out" "$TMP/live.json"
+    run compare --measured "$TMP/outdir/rec.json" --json
+    expect_rc 0
+    python3 - "$TMP/live.json" "$TMP/out" "$TMP/outdir/rec.json" <<'PY' || fail "compare check failed"
+import json, sys
+live, again, rec = (json.load(open(p)) for p in sys.argv[1:4])
+assert live["schema"] == "dssim.compare/1"
+assert rec["schema"] == "dssim.measurement/1" and "scenario_yaml" in rec
+kinds = {k["kind"]: k for k in live["kinds"]}
+for k in ("forward", "backward", "optimizer_step"):
+    assert kinds[k]["measured_seconds"] > 0 and kinds[k]["simulated_seconds"] > 0, k
+assert "all_reduce" in kinds or "reduce_scatter" in kinds, kinds.keys()  # 2 data-parallel ranks
+assert again["iteration_seconds"]["measured"] == live["iteration_seconds"]["measured"]
+assert abs(again["iteration_seconds"]["simulated"] - live["iteration_seconds"]["simulated"]) <= 1e-12 * live["iteration_seconds"]["simulated"]
+m = rec["report"]["throughput"]["iteration_seconds"]
+assert m == live["iteration_seconds"]["measured"] and m > 0
+PY
+    ;;
+  compare_bad_input)
+    run compare scenarios/tiny/tiny_dp1.yaml
+    expect_rc 2
+    expect_err "either --backend"
+    run compare --measured "$TMP/missing.json" --record "$TMP/outdir/r.json"
+    expect_refused "cannot read"
+    run compare scenarios/tiny/tiny_dp1.yaml --backend cuda --record "$TMP/outdir/r.json"
+    expect_rc 1
+    [ -z "$(ls -A "$TMP/outdir")" ] || fail "partial record left"
+    ;;
   *) fail "unknown case" ;;
 esac
 echo "ok [$CASE]"

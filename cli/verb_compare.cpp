@@ -1,0 +1,186 @@
+// `dssim compare FILE.yaml --backend cuda|cpu`: the scenario predicted (simulator, or the analytic
+// estimator where dssim was built without SimGrid) and trained for real by `dssim run`, side by
+// side per instruction kind, then iteration time, throughput and peak memory.
+// `--measured RECORD.json` compares against a committed measurement instead of running one;
+// `--record OUT.json` writes the measurement record (validation/measured/ holds them).
+#include <boost/program_options.hpp>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "cli/output_file.hpp"
+#include "cli/verbs.hpp"
+#include "core/estimator.hpp"
+#include "core/program_builder.hpp"
+#include "core/report.hpp"
+#include "core/scenario_loader.hpp"
+#include "validation/compare.hpp"
+#ifdef DSSIM_HAVE_SIM
+#include "backends/sim/sim_backend.hpp"
+#endif
+
+namespace po = boost::program_options;
+
+namespace dssim::cli {
+
+namespace {
+
+validation::Prediction predict(const Scenario& sc, const std::string& predictor) {
+  validation::Prediction p;
+  p.predictor = predictor;
+  BuildOptions rep;
+  rep.representative_only = true;
+  const Program program = build_program(sc, rep);
+#ifdef DSSIM_HAVE_SIM
+  if (predictor == "sim") {
+    const SimRun run = simulate_program_run(sc, program);
+    p.report = run.report;
+    for (size_t k = 0; k < run.ranks.size(); ++k) {
+      if (run.ranks[k] != 0) continue;
+      const RankProgram& rp = program.ranks.at(run.templates[k]);
+      for (size_t i = 0; i < rp.instructions.size(); ++i)
+        p.seconds_by_kind[to_string(rp.instructions[i].op)] +=
+            run.timeline.spans[k][i].end - run.timeline.spans[k][i].start;
+    }
+    return p;
+  }
+#endif
+  const Timeline tl = estimate(sc, program);
+  p.report = make_report(sc, program, tl, "analytic");
+  p.seconds_by_kind = validation::seconds_by_kind(program, tl, 0);
+  return p;
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string self_exe() {
+  std::array<char, 4096> buf{};
+  const ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  return n > 0 ? std::string(buf.data(), n) : std::string("dssim");
+}
+
+}  // namespace
+
+int verb_compare(int argc, char** argv) {
+#ifdef DSSIM_HAVE_SIM
+  const char* default_predictor = "sim";
+#else
+  const char* default_predictor = "analytic";
+#endif
+  po::options_description opts("dssim compare FILE.yaml --backend cuda|cpu [options]");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("backend", po::value<std::string>(), "measure with `dssim run --backend` cuda or cpu")
+      ("measured", po::value<std::string>(), "compare against this measurement record instead of running")
+      ("record", po::value<std::string>(), "write the measurement record (JSON) to this file")
+      ("gpu-name", po::value<std::string>()->default_value(""), "GPU named in the record (default: the scenario's)")
+      ("predictor", po::value<std::string>()->default_value(default_predictor), "sim or analytic")
+      ("steps", po::value<int>()->default_value(10), "training steps to measure (median after warm-up)")
+      ("nproc", po::value<int>()->default_value(0), "local ranks for `dssim run` (0: one)")
+      ("deepspeed_config", po::value<std::string>(), "a ds_config.json mapped onto the scenario")
+      ("set", po::value<std::vector<std::string>>()->composing(), "override a key (repeatable)")
+      ("json", "print the comparison as JSON (schema dssim.compare/1)");
+  po::options_description hidden;
+  hidden.add_options()("file", po::value<std::string>(), "scenario file");
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("file", 1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "dssim compare: %s\n\n", e.what());
+    std::cerr << opts;
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << opts;
+    return 0;
+  }
+  const std::string predictor = vm["predictor"].as<std::string>();
+  if (predictor != "analytic" && predictor != default_predictor) {
+    std::fprintf(stderr, "dssim compare: unknown --predictor '%s' (available: analytic%s)\n", predictor.c_str(),
+                 std::string(default_predictor) == "sim" ? ", sim" : "");
+    return 2;
+  }
+  if (vm.count("measured") == vm.count("backend")) {
+    std::fprintf(stderr, "dssim compare: give either --backend cuda|cpu (measure now) or --measured RECORD.json\n");
+    return 2;
+  }
+  try {
+    Scenario sc;
+    nlohmann::json measured, record;
+    if (vm.count("measured")) {
+      const std::string path = vm["measured"].as<std::string>();
+      std::ifstream in(path);
+      if (!in) throw ConfigError("--measured: cannot read '" + path + "'");
+      try {
+        record = nlohmann::json::parse(in);
+      } catch (const std::exception& e) {
+        throw ConfigError("--measured: " + path + " is not valid JSON: " + e.what());
+      }
+      sc = validation::record_scenario(record, path);
+      measured = record.at("report");
+    } else {
+      if (!vm.count("file")) throw ConfigError("missing FILE.yaml");
+      LoadOptions lo;
+      if (vm.count("deepspeed_config")) lo.deepspeed_config = vm["deepspeed_config"].as<std::string>();
+      if (vm.count("set")) lo.overrides = vm["set"].as<std::vector<std::string>>();
+      sc = load_scenario(vm["file"].as<std::string>(), lo);
+      const std::string backend = vm["backend"].as<std::string>();
+      if (backend != "cuda" && backend != "cpu") throw ConfigError("--backend must be cuda or cpu");
+      std::string cmd = quote(self_exe()) + " run " + quote(vm["file"].as<std::string>()) + " --backend " + backend +
+                        " --json --steps " + std::to_string(vm["steps"].as<int>());
+      if (vm["nproc"].as<int>() > 0) cmd += " --nproc " + std::to_string(vm["nproc"].as<int>());
+      if (vm.count("deepspeed_config")) cmd += " --deepspeed_config " + quote(lo.deepspeed_config);
+      for (const auto& s : lo.overrides) cmd += " --set " + quote(s);
+      std::fprintf(stderr, "dssim compare: measuring: %s\n", cmd.c_str());
+      std::fflush(stderr);
+      FILE* pipe = ::popen(cmd.c_str(), "r");
+      if (!pipe) throw std::runtime_error("cannot start `dssim run`");
+      std::string out;
+      std::array<char, 65536> buf;
+      for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0;) out.append(buf.data(), n);
+      const int status = ::pclose(pipe);
+      if (status != 0) {
+        std::fprintf(stderr, "dssim compare: the measurement (`dssim run`) failed (status %d); see its messages above\n",
+                     status);
+        return 1;
+      }
+      try {
+        measured = nlohmann::json::parse(out);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("`dssim run --json` printed no JSON report: ") + e.what());
+      }
+      std::string gpu = vm["gpu-name"].as<std::string>();
+      if (gpu.empty()) gpu = backend == "cuda" ? sc.cluster.gpu.name : "cpu";
+      record = validation::make_record(sc, measured, gpu, "dssim compare " + vm["file"].as<std::string>() +
+                                                             " --backend " + backend);
+    }
+    const validation::Comparison c = validation::compare(sc, predict(sc, predictor), measured);
+    if (vm.count("record")) write_file_atomically(vm["record"].as<std::string>(), record.dump(1) + "\n");
+    if (vm.count("json"))
+      std::cout << c.to_json().dump(2) << "\n";
+    else
+      std::cout << c.to_text();
+    return 0;
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "dssim compare: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dssim compare: failed: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace dssim::cli

@@ -1,0 +1,122 @@
+#include "validation/compare.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <set>
+#include <sstream>
+
+#include "core/scenario_loader.hpp"
+
+namespace dssim::validation {
+
+std::map<std::string, double> seconds_by_kind(const Program& program, const Timeline& timeline, int rank_index) {
+  std::map<std::string, double> out;
+  const RankProgram& rp = program.ranks.at(rank_index);
+  const auto& spans = timeline.spans.at(rank_index);
+  for (size_t i = 0; i < rp.instructions.size(); ++i)
+    out[to_string(rp.instructions[i].op)] += spans[i].end - spans[i].start;
+  return out;
+}
+
+Comparison compare(const Scenario& sc, const Prediction& p, const nlohmann::json& m) {
+  Comparison c;
+  c.scenario = sc.name;
+  c.predictor = p.predictor;
+  c.measured_backend = m.value("backend", std::string("?"));
+  const nlohmann::json& meas = m.at("extras").at("measured");
+  std::set<std::string> kinds;
+  for (auto& [k, v] : p.seconds_by_kind)
+    if (v > 0) kinds.insert(k);
+  for (auto it = meas["seconds_per_iteration_by_instruction"].begin();
+       it != meas["seconds_per_iteration_by_instruction"].end(); ++it)
+    if (it.value().get<double>() > 0) kinds.insert(it.key());
+  for (const auto& k : kinds) {
+    Pair q{k};
+    auto it = p.seconds_by_kind.find(k);
+    q.simulated = it == p.seconds_by_kind.end() ? 0 : it->second;
+    q.measured = meas["seconds_per_iteration_by_instruction"].value(k, 0.0);
+    c.kinds.push_back(q);
+  }
+  c.kinds.push_back({"bubble", p.report.time.bubble, m["time_seconds"].value("bubble", 0.0)});
+  const auto& t = m.at("throughput");
+  c.totals = {{"iteration_seconds", p.report.iteration_seconds, t.value("iteration_seconds", 0.0)},
+              {"tokens_per_second", p.report.tokens_per_second, t.value("tokens_per_second", 0.0)},
+              {"model_tflops_per_gpu", p.report.model_tflops_per_gpu, t.value("model_tflops_per_gpu", 0.0)}};
+  const auto& mm = meas.value("memory_bytes", nlohmann::json::object());
+  const MemoryBreakdown& pm = p.report.memory;
+  c.memory = {{"params", pm.params, mm.value("params", 0.0)},
+              {"grads", pm.grads, mm.value("grads", 0.0)},
+              {"optimizer", pm.optimizer, mm.value("optimizer", 0.0)},
+              {"activations_and_temporaries", pm.activations + pm.comm_buffers + pm.temporaries,
+               mm.value("activations_and_temporaries", 0.0)},
+              {"peak", pm.total(), mm.value("peak", 0.0)}};
+  if (pm.host > 0 || mm.contains("host_optimizer"))
+    c.memory.push_back({"host_optimizer", pm.host, mm.value("host_optimizer", 0.0)});
+  return c;
+}
+
+namespace {
+nlohmann::json pairs_json(const std::vector<Pair>& v, const char* a, const char* b) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Pair& q : v) out.push_back({{"kind", q.name}, {a, q.simulated}, {b, q.measured}, {"error", q.error()}});
+  return out;
+}
+}  // namespace
+
+nlohmann::json Comparison::to_json() const {
+  nlohmann::json j;
+  j["schema"] = "dssim.compare/1";
+  j["scenario"] = scenario;
+  j["predictor"] = predictor;
+  j["measured_backend"] = measured_backend;
+  j["kinds"] = pairs_json(kinds, "simulated_seconds", "measured_seconds");
+  for (const Pair& q : totals)
+    j[q.name] = {{"simulated", q.simulated}, {"measured", q.measured}, {"error", q.error()}};
+  j["memory_bytes"] = pairs_json(memory, "simulated_bytes", "measured_bytes");
+  return j;
+}
+
+std::string Comparison::to_text() const {
+  std::ostringstream o;
+  char buf[256];
+  o << "dssim compare " << scenario << " - " << predictor << " prediction vs " << measured_backend
+    << " measurement, one iteration\n\n";
+  std::snprintf(buf, sizeof buf, "  %-28s %14s %14s %9s\n", "instruction kind", "predicted", "measured", "error");
+  o << buf;
+  for (const Pair& q : kinds) {
+    std::snprintf(buf, sizeof buf, "  %-28s %12.4f s %12.4f s %+8.1f%%\n", q.name.c_str(), q.simulated, q.measured,
+                  100 * q.error());
+    o << buf;
+  }
+  o << "\n";
+  for (const Pair& q : totals) {
+    std::snprintf(buf, sizeof buf, "  %-28s %14.4g %14.4g %+8.1f%%\n", q.name.c_str(), q.simulated, q.measured,
+                  100 * q.error());
+    o << buf;
+  }
+  o << "\n  peak memory per GPU (GiB)\n";
+  for (const Pair& q : memory) {
+    std::snprintf(buf, sizeof buf, "  %-28s %14.2f %14.2f %+8.1f%%\n", q.name.c_str(), q.simulated / (1 << 30),
+                  q.measured / (1 << 30), 100 * q.error());
+    o << buf;
+  }
+  return o.str();
+}
+
+nlohmann::json make_record(const Scenario& sc, const nlohmann::json& measured, const std::string& gpu,
+                           const std::string& command) {
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  return {{"schema", "dssim.measurement/1"}, {"date", date}, {"gpu", gpu}, {"command", command},
+          {"scenario_yaml", to_yaml(sc)}, {"report", measured}};
+}
+
+Scenario record_scenario(const nlohmann::json& record, const std::string& source) {
+  if (record.value("schema", std::string()) != "dssim.measurement/1")
+    throw ConfigError(source + ": not a dssim measurement record (schema dssim.measurement/1)");
+  return load_scenario_from_string(record.at("scenario_yaml").get<std::string>(), {}, source);
+}
+
+}  // namespace dssim::validation

@@ -1,0 +1,52 @@
+// Simulated vs measured, like with like: the same scenario's Program predicted (simulator or
+// analytic estimator) and run for real (`dssim run --json`), instruction kind by instruction kind,
+// then iteration time, throughput and peak memory. Also the measurement records committed under
+// validation/measured/ that CI re-predicts.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+#include <nlohmann/json.hpp>
+#include "core/program.hpp"
+#include "core/report.hpp"
+#include "core/scenario.hpp"
+#include "core/timeline.hpp"
+
+namespace dssim::validation {
+
+struct Prediction {
+  std::string predictor;                         // "sim" or "analytic"
+  Report report;
+  std::map<std::string, double> seconds_by_kind; // rank 0, one iteration: "forward", "all_reduce", ...
+};
+
+// Seconds per instruction kind (Op name) on Program::ranks[rank_index] of a timeline.
+std::map<std::string, double> seconds_by_kind(const Program& program, const Timeline& timeline,
+                                              int rank_index);
+
+struct Pair {
+  std::string name;
+  double simulated = 0, measured = 0;
+  double error() const { return measured != 0 ? (simulated - measured) / measured : 0; }
+};
+
+struct Comparison {
+  std::string scenario, predictor, measured_backend;
+  std::vector<Pair> kinds;     // per instruction kind, seconds per iteration
+  std::vector<Pair> totals;    // iteration_seconds, tokens_per_second, model_tflops_per_gpu
+  std::vector<Pair> memory;    // peak per category and total, bytes
+  nlohmann::json to_json() const;
+  std::string to_text() const;
+};
+
+// `measured` is a `dssim run --json` report (its extras.measured section).
+Comparison compare(const Scenario& sc, const Prediction& predicted, const nlohmann::json& measured);
+
+// A measurement record: what `dssim compare --record` writes and validation/measured/ holds.
+//   {"schema": "dssim.measurement/1", "date": ..., "gpu": ..., "command": ...,
+//    "scenario_yaml": <the resolved scenario>, "report": <dssim run --json>}
+nlohmann::json make_record(const Scenario& sc, const nlohmann::json& measured, const std::string& gpu,
+                           const std::string& command);
+Scenario record_scenario(const nlohmann::json& record, const std::string& source);
+
+}  // namespace dssim::validation
