@@ -80,6 +80,7 @@ int verb_compare(int argc, char** argv) {
       ("help,h", "show this help")
       ("backend", po::value<std::string>(), "measure with `dssim run --backend` cuda or cpu")
       ("measured", po::value<std::string>(), "compare against this measurement record instead of running")
+      ("run-json", po::value<std::string>(), "use this `dssim run --json` output of FILE.yaml (measured elsewhere, e.g. on a GPU machine)")
       ("record", po::value<std::string>(), "write the measurement record (JSON) to this file")
       ("gpu-name", po::value<std::string>()->default_value(""), "GPU named in the record (default: the scenario's)")
       ("predictor", po::value<std::string>()->default_value(default_predictor), "sim or analytic")
@@ -113,13 +114,17 @@ int verb_compare(int argc, char** argv) {
                  std::string(default_predictor) == "sim" ? ", sim" : "");
     return 2;
   }
-  if (vm.count("measured") == vm.count("backend")) {
-    std::fprintf(stderr, "dssim compare: give either --backend cuda|cpu (measure now) or --measured RECORD.json\n");
+  if (vm.count("measured") + vm.count("backend") + vm.count("run-json") != 1) {
+    std::fprintf(stderr, "dssim compare: give one of --backend cuda|cpu (measure now), --run-json RUN.json "
+                         "(a measurement of FILE.yaml) or --measured RECORD.json\n");
     return 2;
   }
   try {
     Scenario sc;
     nlohmann::json measured, record;
+    LoadOptions lo;
+    if (vm.count("deepspeed_config")) lo.deepspeed_config = vm["deepspeed_config"].as<std::string>();
+    if (vm.count("set")) lo.overrides = vm["set"].as<std::vector<std::string>>();
     if (vm.count("measured")) {
       const std::string path = vm["measured"].as<std::string>();
       std::ifstream in(path);
@@ -133,10 +138,24 @@ int verb_compare(int argc, char** argv) {
       measured = record.at("report");
     } else {
       if (!vm.count("file")) throw ConfigError("missing FILE.yaml");
-      LoadOptions lo;
-      if (vm.count("deepspeed_config")) lo.deepspeed_config = vm["deepspeed_config"].as<std::string>();
-      if (vm.count("set")) lo.overrides = vm["set"].as<std::vector<std::string>>();
       sc = load_scenario(vm["file"].as<std::string>(), lo);
+      if (vm.count("run-json")) {
+        const std::string path = vm["run-json"].as<std::string>();
+        std::ifstream in(path);
+        if (!in) throw ConfigError("--run-json: cannot read '" + path + "'");
+        try {
+          measured = nlohmann::json::parse(in);
+        } catch (const std::exception& e) {
+          throw ConfigError("--run-json: " + path + " is not valid JSON: " + e.what());
+        }
+        if (!measured.contains("extras") || !measured["extras"].contains("measured"))
+          throw ConfigError("--run-json: " + path + " is not a `dssim run --json` report (no extras.measured)");
+        std::string gpu = vm["gpu-name"].as<std::string>();
+        if (gpu.empty()) gpu = measured.value("backend", std::string()) == "cuda" ? sc.cluster.gpu.name : "cpu";
+        record = validation::make_record(sc, measured, gpu, "dssim run " + vm["file"].as<std::string>() + " --json");
+      }
+    }
+    if (vm.count("backend")) {
       const std::string backend = vm["backend"].as<std::string>();
       if (backend != "cuda" && backend != "cpu") throw ConfigError("--backend must be cuda or cpu");
       std::string cmd = quote(self_exe()) + " run " + quote(vm["file"].as<std::string>()) + " --backend " + backend +

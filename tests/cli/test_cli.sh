@@ -187,7 +187,9 @@ PY
   compare_bad_input)
     run compare scenarios/tiny/tiny_dp1.yaml
     expect_rc 2
-    expect_err "either --backend"
+    expect_err "give one of --backend"
+    run compare scenarios/tiny/tiny_dp1.yaml --run-json tests/data/ds_configs/onebit_adam.json --record "$TMP/outdir/r.json"
+    expect_refused "not a .dssim run --json. report"
     run compare --measured "$TMP/missing.json" --record "$TMP/outdir/r.json"
     expect_refused "cannot read"
     run compare scenarios/tiny/tiny_dp1.yaml --backend cuda --record "$TMP/outdir/r.json"

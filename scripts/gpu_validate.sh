@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 4 on a GPU machine, in one call: builds the trainer and the calibrator against the pip torch
+# there (simulator off), measures the GPU into a device profile (`dssim calibrate`), trains every
+# scenario of validation/measured/scenarios/ with `dssim run --backend cuda --json`, and prints a
+# table last. Back on the development machine, scripts/import_measurements.sh turns $OUT into
+# profiles/h200.yaml and the measurement records validation/measured/*.json.
+#
+#   scripts/gpu_validate.sh [--steps N] [--only NAME] [--skip-calibrate]
+#
+# Dependencies the GPU image lacks come from .deps (scripts/gpu_bench.sh --make-deps .deps).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+STEPS=8 ONLY="" CALIBRATE=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --steps) STEPS=$2; shift 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    --skip-calibrate) CALIBRATE=0; shift ;;
+    *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$ROOT/build-gpu/out}
+BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
+DEPS=${DSSIM_DEPS:-$ROOT/.deps}
+mkdir -p "$OUT" "$BUILD"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+PREFIX="$TORCH_PREFIX"
+[[ -d "$DEPS" ]] && PREFIX="$PREFIX;$DEPS"
+if [[ -d "$DEPS/boost-stub" ]] && ! ls /usr/lib/*/cmake/Boost-* /usr/lib/cmake/Boost-* >/dev/null 2>&1; then
+  PREFIX="$PREFIX;$DEPS/boost-stub"
+fi
+NCCL_ROOT=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+t0=$(date +%s)
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSSIM_WITH_SIMGRID=OFF -DDSSIM_WITH_CUDA=ON \
+  -DDSSIM_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX" ${NCCL_ROOT:+-DNCCL_ROOT=$NCCL_ROOT} \
+  -DCMAKE_CXX_COMPILER=g++ > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+cmake --build "$BUILD" --target dssim_torch_run dssim_calibrate_run -j"$(nproc)" > "$OUT/build.log" 2>&1 \
+  || { grep -E "error|Error" "$OUT/build.log" | head -30; exit 1; }
+echo "built in $(( $(date +%s) - t0 )) s"
+
+if [[ $CALIBRATE == 1 ]]; then
+  t1=$(date +%s)
+  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/h200.yaml" > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
+    || { echo "dssim calibrate failed"; tail -20 "$OUT/calibrate.stderr"; }
+  echo "calibrated in $(( $(date +%s) - t1 )) s"
+fi
+
+for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
+  name=$(basename "$f" .yaml)
+  [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
+  t1=$(date +%s)
+  if "$BUILD/dssim_torch_run" "$f" --backend cuda --nproc 1 --steps "$STEPS" --warmup 2 --json \
+       > "$OUT/$name.json" 2> "$OUT/$name.stderr"; then
+    echo "$name: measured in $(( $(date +%s) - t1 )) s"
+  else
+    echo "$name: FAILED ($(tail -1 "$OUT/$name.stderr"))"; rm -f "$OUT/$name.json"
+  fi
+done
+
+echo
+[[ -f "$OUT/calibrate.txt" ]] && tail -15 "$OUT/calibrate.txt"
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+print("%-28s %10s %10s %7s %9s" % ("scenario", "iter (s)", "tokens/s", "MFU", "peak GiB"))
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "h200_*.json"))):
+    d = json.load(open(f)); t = d["throughput"]; m = d["extras"]["measured"]["memory_bytes"]
+    print("%-28s %10.3f %10.0f %6.1f%% %9.2f" % (os.path.basename(f)[:-5], t["iteration_seconds"],
+          t["tokens_per_second"], 100 * t["mfu"], m.get("peak", 0) / 2**30))
+PY
