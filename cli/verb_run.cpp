@@ -92,6 +92,8 @@ int verb_run(int argc, char** argv) {
     // Test hooks, not in the usage text.
     else if (a == "--kill-rank") { if (!int_value(o.kill_rank)) return fail("--kill-rank needs a rank"); }
     else if (a == "--kill-at-step") { if (!int_value(o.kill_at_step)) return fail("--kill-at-step needs a step"); }
+    else if (a == "--hang-rank") { if (!int_value(o.hang_rank)) return fail("--hang-rank needs a rank"); }
+    else if (a == "--hang-at-step") { if (!int_value(o.hang_at_step)) return fail("--hang-at-step needs a step"); }
     else if (a == "--dump-params") { if (!value(o.dump_params)) return fail("--dump-params needs a file"); }
     else if (a == "--inject-overflow") {
       std::string s, item;

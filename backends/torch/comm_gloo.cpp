@@ -18,6 +18,9 @@ class GlooWork final : public Work {
       if (!work_->wait(timeout_)) throw CommError("gloo collective did not complete");
     } catch (const CommError&) {
       throw;
+    } catch (const c10::Error& e) {
+      throw CommError(std::string("gloo collective failed (a peer rank died or timed out): ") +
+                      e.what_without_backtrace());
     } catch (const std::exception& e) {
       throw CommError(std::string("gloo collective failed (a peer rank died or timed out): ") +
                       e.what());
@@ -87,6 +90,9 @@ class GlooCommunicator final : public Communicator {
       if (!pg_->barrier()->wait(timeout_)) throw CommError("gloo barrier did not complete");
     } catch (const CommError&) {
       throw;
+    } catch (const c10::Error& e) {
+      throw CommError(std::string("gloo barrier failed (a peer rank died or timed out): ") +
+                      e.what_without_backtrace());
     } catch (const std::exception& e) {
       throw CommError(std::string("gloo barrier failed (a peer rank died or timed out): ") + e.what());
     }

@@ -972,6 +972,11 @@ EngineResult Engine::run() {
       std::fflush(stderr);
       ::kill(::getpid(), SIGKILL);
     }
+    if (rank_ == o_.hang_rank && step_ + 1 == o_.hang_at_step) {
+      std::fprintf(stderr, "rank %d: stopping itself at step %lld (test hook)\n", rank_, (long long)step_ + 1);
+      std::fflush(stderr);
+      ::kill(::getpid(), SIGSTOP);
+    }
     measuring_ = done >= warm;
     if (measuring_ && done == warm) {
       comm_.reset_counters();

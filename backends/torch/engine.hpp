@@ -24,6 +24,7 @@ struct EngineOptions {
   bool progress = true;         // a line per step on stderr (rank 0)
   // Test hooks.
   int kill_rank = -1, kill_at_step = -1;  // SIGKILL this rank when it starts that step (1-based)
+  int hang_rank = -1, hang_at_step = -1;  // SIGSTOP it instead: its peers' collectives hang
   std::vector<int> overflow_steps;        // steps (1-based) whose gradients are made inf (fp16)
   std::string dump_params;                // rank 0 writes the final fp32 parameters (raw floats)
 };

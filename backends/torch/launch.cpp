@@ -240,6 +240,8 @@ int run_rank(const Scenario& sc, const RunOptions& o) {
     eo.progress = o.progress;
     eo.kill_rank = o.kill_rank;
     eo.kill_at_step = o.kill_at_step;
+    eo.hang_rank = o.hang_rank;
+    eo.hang_at_step = o.hang_at_step;
     eo.overflow_steps = o.overflow_steps;
     eo.dump_params = o.dump_params;
     const EngineResult res = train(sc, program, *comm, eo, device);
@@ -261,6 +263,9 @@ int run_rank(const Scenario& sc, const RunOptions& o) {
     return 1;
   } catch (const CommError& e) {
     std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dssim run: rank %d: %s\n", rank, e.what());

@@ -20,6 +20,7 @@ struct RunOptions {
   bool progress = true;
   // Test hooks (hidden options).
   int kill_rank = -1, kill_at_step = -1;
+  int hang_rank = -1, hang_at_step = -1;
   std::vector<int> overflow_steps;
   std::string dump_params;
 };

@@ -290,6 +290,14 @@ TEST_CASE("a rank killed mid-run makes the others exit with an error within the 
   CHECK(r.err.find("rank 0:") != std::string::npos);  // the survivor reports the failed collective
 }
 
+TEST_CASE("a hung rank makes the others fail with a timeout error", "[timeout][gloo]") {
+  Result r = run("--steps 50 --nproc 2 --timeout 5 --hang-rank 1 --hang-at-step 3");
+  CHECK(r.code == 1);
+  CHECK(r.seconds < 5 + 5 + 15);  // the collective's timeout, the launcher's grace, start-up
+  CHECK(r.err.find("rank 0: gloo collective failed") != std::string::npos);
+  CHECK(r.err.find("did not exit within the timeout") != std::string::npos);  // the stopped rank is killed
+}
+
 TEST_CASE("activation checkpointing recomputes and matches the plain run", "[recompute][gloo]") {
   Result a = run("--json --steps 6 --nproc 2 --set zero.stage=2");
   Result b = run("--json --steps 6 --nproc 2 --set zero.stage=2 --set activation_checkpointing=full");
