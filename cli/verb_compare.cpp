@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cli/output_file.hpp"
+#include "cli/options.hpp"
 #include "cli/verbs.hpp"
 #include "core/estimator.hpp"
 #include "core/program_builder.hpp"
@@ -89,25 +90,8 @@ int verb_compare(int argc, char** argv) {
       ("deepspeed_config", po::value<std::string>(), "a ds_config.json mapped onto the scenario")
       ("set", po::value<std::vector<std::string>>()->composing(), "override a key (repeatable)")
       ("json", "print the comparison as JSON (schema dssim.compare/1)");
-  po::options_description hidden;
-  hidden.add_options()("file", po::value<std::string>(), "scenario file");
-  po::options_description all;
-  all.add(opts).add(hidden);
-  po::positional_options_description pos;
-  pos.add("file", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "dssim compare: %s\n\n", e.what());
-    std::cerr << opts;
-    return 2;
-  }
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
+  if (auto rc = parse_options("compare", argc, argv, opts, vm, true)) return *rc;
   const std::string predictor = vm["predictor"].as<std::string>();
   if (predictor != "analytic" && predictor != default_predictor) {
     std::fprintf(stderr, "dssim compare: unknown --predictor '%s' (available: analytic%s)\n", predictor.c_str(),

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "cli/output_file.hpp"
+#include "cli/options.hpp"
 #include "cli/verbs.hpp"
 #include "core/estimator.hpp"
 #include "core/fit_advisor.hpp"
@@ -43,25 +44,8 @@ int verb_scenario(int argc, char** argv) {
       ("verbose,v", "more detail: zero rows, bytes per collective");
   // Exit codes: 0 report printed and it fits; 2 bad input; 3 report printed but it does not fit
   // in GPU memory; 1 internal failure.
-  po::options_description hidden;
-  hidden.add_options()("file", po::value<std::string>(), "scenario file");
-  po::options_description all;
-  all.add(opts).add(hidden);
-  po::positional_options_description pos;
-  pos.add("file", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "dssim scenario: %s\n\n", e.what());
-    std::cerr << opts;
-    return 2;
-  }
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
+  if (auto rc = parse_options("scenario", argc, argv, opts, vm, true)) return *rc;
   if (!vm.count("file")) {
     std::fprintf(stderr, "dssim scenario: missing FILE.yaml (e.g. dssim scenario scenarios/gpt175b.yaml)\n");
     return 2;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "cli/options.hpp"
 #include "cli/verbs.hpp"
 #include "core/estimator.hpp"
 #include "core/scenario_loader.hpp"
@@ -32,18 +33,7 @@ int verb_validate(int argc, char** argv) {
       ("json", "print the results as JSON (schema dssim.validate/1)")
       ("verbose,v", "print citations");
   po::variables_map vm;
-  try {
-    po::store(po::parse_command_line(argc, argv, opts), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "dssim validate: %s\n\n", e.what());
-    std::cerr << opts;
-    return 2;
-  }
-  if (vm.count("help")) {
-    std::cout << opts;
-    return 0;
-  }
+  if (auto rc = parse_options("validate", argc, argv, opts, vm, false)) return *rc;
   const std::string backend = vm["backend"].as<std::string>();
   validation::Predictor predict;
   if (backend == "analytic") {
