@@ -5,17 +5,19 @@
 # table last. Back on the development machine, scripts/import_measurements.sh turns $OUT into
 # profiles/h200.yaml and the measurement records validation/measured/*.json.
 #
-#   scripts/gpu_validate.sh [--steps N] [--only NAME] [--skip-calibrate]
+#   scripts/gpu_validate.sh [--steps N] [--only NAME] [--skip-calibrate | --calibrate-only] [-- calibrate options]
 #
 # Dependencies the GPU image lacks come from .deps (scripts/gpu_bench.sh --make-deps .deps).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-STEPS=8 ONLY="" CALIBRATE=1
+STEPS=8 ONLY="" CALIBRATE=1 MEASURE=1 CAL_ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
     --skip-calibrate) CALIBRATE=0; shift ;;
+    --calibrate-only) MEASURE=0; shift ;;
+    --) shift; CAL_ARGS=("$@"); break ;;
     *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -43,12 +45,14 @@ echo "built in $(( $(date +%s) - t0 )) s"
 
 if [[ $CALIBRATE == 1 ]]; then
   t1=$(date +%s)
-  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/h200.yaml" > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
+  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/${PROFILE_NAME:-h200.yaml}" "${CAL_ARGS[@]}" \
+      > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
     || { echo "dssim calibrate failed"; tail -20 "$OUT/calibrate.stderr"; }
   echo "calibrated in $(( $(date +%s) - t1 )) s"
 fi
 
 for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
+  [[ $MEASURE == 1 ]] || break
   name=$(basename "$f" .yaml)
   [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
   t1=$(date +%s)
