@@ -541,8 +541,14 @@ class Engine {
     auto out = at::empty({g.padded_numel()}, mine.options());
     auto refill = [this, gi, out, mine]() {
       at::NoGradGuard ng;
-      reallocate_storage(full16_[gi], size_t(part_.stage3_groups[gi].numel) * size_t(elt16()));
-      gathered_to_full(gi, out, full16_[gi]);
+      const int64_t numel = part_.stage3_groups[gi].numel;
+      reallocate_storage(full16_[gi], size_t(numel) * size_t(elt16()));
+      // Write through an alias with its own version counter: the leaves (views of full16_) that
+      // autograd saved in forward must not look modified when their layer is refilled for
+      // backward (DeepSpeed writes param.data for the same reason).
+      at::Tensor alias = at::empty({0}, full16_[gi].options());
+      alias.set_(full16_[gi].storage(), 0, {numel}, {1});
+      gathered_to_full(gi, out, alias);
       gathered_[gi] = true;
     };
     if (!in && dp_ == 1) {
