@@ -70,7 +70,10 @@ class Engine {
                                   std::to_string(sc.parallel.tp) + " pp=" + std::to_string(sc.parallel.pp));
     if (sc.parallel.dp != dp_)
       throw std::invalid_argument("torch backend: scenario has dp=" + std::to_string(sc.parallel.dp) +
-                                  " but " + std::to_string(dp_) + " ranks are running");
+                                  " but " + std::to_string(dp_) + " ranks are running (use --nproc " +
+                                  std::to_string(sc.parallel.dp) + ", or launch that many ranks)");
+    if (sc.optimizer.kind != OptimizerKind::adamw)
+      throw std::invalid_argument("torch backend: only AdamW is implemented (the scenario asks for 1-bit Adam)");
     if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
     if (program.ranks.size() <= size_t(rank_) || program.ranks[rank_].rank != rank_)
       throw std::invalid_argument("torch backend: the Program has no instructions for rank " +
