@@ -1055,8 +1055,6 @@ EngineResult Engine::run() {
   const double peak = peak_memory_bytes();
   m["peak"] = peak;
   m["activations_and_temporaries"] = std::max(0.0, peak - std::max(static_bytes, params + grads + (offload_ ? 0 : optim)));
-  m["measured_by"] = 0;
-  m.erase("measured_by");
   return res;
 }
 
