@@ -57,30 +57,9 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-OUT=${OUT:-$ROOT/build-gpu/out}
-BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
-DEPS=${DSSIM_DEPS:-$ROOT/.deps}
-mkdir -p "$OUT" "$BUILD"
+source "$ROOT/scripts/gpu_common.sh"
 rm -f "$OUT/summary.txt"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-python3 -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
-PREFIX="$TORCH_PREFIX"
-[[ -d "$DEPS" ]] && PREFIX="$PREFIX;$DEPS"
-if [[ -d "$DEPS/boost-stub" ]] && ! ls /usr/lib/*/cmake/Boost-* /usr/lib/cmake/Boost-* /usr/local/lib/cmake/Boost-* >/dev/null 2>&1; then
-  PREFIX="$PREFIX;$DEPS/boost-stub"
-fi
-NCCL_ROOT=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
-
-t0=$(date +%s)
-cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSSIM_WITH_SIMGRID=OFF -DDSSIM_WITH_CUDA=ON \
-  -DDSSIM_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX" ${NCCL_ROOT:+-DNCCL_ROOT=$NCCL_ROOT} \
-  -DCMAKE_CXX_COMPILER=g++ > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
-grep -E "dssim_torch" "$OUT/cmake.log" || true
-cmake --build "$BUILD" --target dssim_torch_run -j"$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - t0 )) s"
+gpu_build dssim_torch_run
 
 # Smoke runs of the tiny model on the GPU: the code paths the 1.3B ZeRO-1 run does not take
 # (ZeRO-3 storage release / refill, fp16 with the loss scaler, offload with pinned host memory).
