@@ -24,13 +24,6 @@ done
 source "$ROOT/scripts/gpu_common.sh"
 gpu_build dssim_torch_run dssim_calibrate_run
 
-if [[ $CALIBRATE == 1 ]]; then
-  t1=$(date +%s)
-  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/${PROFILE_NAME:-h200.yaml}" "${CAL_ARGS[@]}" \
-      > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
-    || { echo "dssim calibrate failed"; tail -20 "$OUT/calibrate.stderr"; }
-  echo "calibrated in $(( $(date +%s) - t1 )) s"
-fi
 
 for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
   [[ $MEASURE == 1 ]] || break
@@ -44,6 +37,14 @@ for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
     echo "$name: FAILED ($(tail -1 "$OUT/$name.stderr"))"; rm -f "$OUT/$name.json"
   fi
 done
+
+if [[ $CALIBRATE == 1 ]]; then
+  t1=$(date +%s)
+  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/${PROFILE_NAME:-h200.yaml}" "${CAL_ARGS[@]}" \
+      > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
+    || { echo "dssim calibrate failed"; tail -20 "$OUT/calibrate.stderr"; }
+  echo "calibrated in $(( $(date +%s) - t1 )) s"
+fi
 
 echo
 [[ -f "$OUT/calibrate.txt" ]] && tail -15 "$OUT/calibrate.txt"
