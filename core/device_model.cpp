@@ -61,7 +61,11 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
     for (const LayerOp& op : program.op_lists[inst.ops]) {
       switch (inst.op) {
         case Op::Backward:
-          if (op.gemm) {
+          if (op.gemm && op.attention_core && flash_attention_) {
+            // FlashAttention's backward recomputes QK^T and runs 5 GEMM-sized products for the
+            // forward's 2 (Dao 2023, arXiv:2307.08691, section 3.1.2): 2.5x the forward.
+            t += 2.5 * kernel_seconds(op);
+          } else if (op.gemm) {
             t += 2 * kernel_seconds(op);
           } else {
             LayerOp twice = op;

@@ -214,6 +214,11 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     mb.grads = gb * psi;
   else
     mb.grads = z.offload_optimizer ? 0 : gb * shard;
+  // [DS bf16_optimizer.py] bf16 with ZeRO 0/1 runs DeepSpeed's BF16_Optimizer, which accumulates
+  // gradients in a persistent fp32 flat buffer (grad_acc_dtype fp32) besides the bf16 ones; the
+  // torch backend does the same. Then the step needs no fp32 gradient copy.
+  const bool bf16_fp32_accumulation = sc.precision.dtype == Dtype::bf16 && zstage < 2 && !z.offload_optimizer;
+  if (bf16_fp32_accumulation) mb.grads += 4 * psi;
 
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
@@ -277,7 +282,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   }
   // [DS] the step runs on an fp32 copy of the (partitioned) gradients when they are 16-bit and the
   // optimizer is on the GPU.
-  const double step_transient = (mixed && !z.offload_optimizer) ? 4 * opt_elems : 0;
+  const double step_transient = (mixed && !z.offload_optimizer && !bf16_fp32_accumulation) ? 4 * opt_elems : 0;
   mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
   return mb;
 }

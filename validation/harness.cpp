@@ -132,6 +132,7 @@ Table measured_table(const std::string& dir, const Predictor& predict) {
     return r;
   };
   t.citation = "measured by `dssim compare --record` on " + join(gpus) + " (" + join(dates) + ")";
+  score(t);
   return t;
 }
 
@@ -197,7 +198,7 @@ std::string to_text(const std::vector<Table>& tables, bool verbose) {
   for (const Table& t : tables) {
     o << t.name << " (" << t.metric << ", " << t.unit << ")\n";
     if (verbose) o << "  " << t.citation << "\n";
-    std::snprintf(buf, sizeof buf, "  %-24s %12s %12s %9s\n", "row", "published", "predicted", "error");
+    std::snprintf(buf, sizeof buf, "  %-24s %12s %12s %9s\n", "row", t.kind == "measured" ? "measured" : "published", "predicted", "error");
     o << buf;
     for (const Row& r : t.rows) {
       std::snprintf(buf, sizeof buf, "  %-24s %12.4g %12.4g %+8.1f%%\n", r.label.c_str(), r.published, r.predicted,
