@@ -18,6 +18,7 @@
 #include "core/program_builder.hpp"
 
 #include <algorithm>
+#include <span>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -674,18 +675,13 @@ class Builder {
   void emit_tp(RankCtx& x, const Segment& s, int mb, int chunk) {
     const int layers = s.dense_layers + s.moe_layers;
     if (x.tp_g < 0 || layers == 0) return;
-    if (sc_.parallel.sequence_parallel) {
-      for (Op op : {Op::AllGather, Op::ReduceScatter}) {
-        Instruction in = make(op, Stream::Compute, Purpose::TensorParallel, mb, chunk);
-        in.group = x.tp_g;
-        in.layer_begin = s.layer_begin;
-        in.layer_count = s.layer_count;
-        in.repeat = 2 * layers;
-        in.bytes = act_bytes_;
-        add(x, in, {});
-      }
-    } else {
-      Instruction in = make(Op::AllReduce, Stream::Compute, Purpose::TensorParallel, mb, chunk);
+    // Megatron's f/g: 2 all-reduces per layer; with sequence parallelism each becomes an
+    // all-gather + reduce-scatter pair.
+    static constexpr Op kPlain[] = {Op::AllReduce};
+    static constexpr Op kSequenceParallel[] = {Op::AllGather, Op::ReduceScatter};
+    const bool sp = sc_.parallel.sequence_parallel;
+    for (Op op : sp ? std::span<const Op>(kSequenceParallel) : std::span<const Op>(kPlain)) {
+      Instruction in = make(op, Stream::Compute, Purpose::TensorParallel, mb, chunk);
       in.group = x.tp_g;
       in.layer_begin = s.layer_begin;
       in.layer_count = s.layer_count;
