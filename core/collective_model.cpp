@@ -1,6 +1,7 @@
 #include "core/collective_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 namespace dssim {
@@ -34,6 +35,26 @@ LinkClass group_link(const ClusterSpec& c, const std::vector<int>& ranks) {
   return inter_node_link(c, max_members);
 }
 
+double ring_allreduce_seconds(double size_bytes, int n, const LinkClass& link) {
+  if (n <= 1) return 0;
+  return wire_bytes_per_rank(Op::AllReduce, size_bytes, n) / link.bandwidth + 2.0 * (n - 1) * link.latency;
+}
+
+double tree_allreduce_seconds(double size_bytes, int n, const LinkClass& link) {
+  if (n <= 1) return 0;
+  const double depth = std::ceil(std::log2(double(n)));
+  return 2 * size_bytes / link.bandwidth + 2 * depth * link.latency;
+}
+
+bool tree_allreduce_wins(const ClusterSpec& c, double size_bytes, const std::vector<int>& ranks) {
+  std::map<int, int> per_node;
+  for (int r : ranks) ++per_node[node_of(c, r)];
+  if (per_node.size() <= 1) return false;  // inside a node NCCL rings over NVLink
+  const LinkClass link = group_link(c, ranks);
+  const int n = static_cast<int>(ranks.size());
+  return tree_allreduce_seconds(size_bytes, n, link) < ring_allreduce_seconds(size_bytes, n, link);
+}
+
 double collective_seconds(const ClusterSpec& c, Op op, double size_bytes, const std::vector<int>& ranks) {
   const int n = static_cast<int>(ranks.size());
   if (n <= 1) return 0.0;
@@ -55,6 +76,8 @@ double collective_seconds(const ClusterSpec& c, Op op, double size_bytes, const 
     return t;
   }
   const LinkClass link = group_link(c, ranks);
+  if (op == Op::AllReduce && tree_allreduce_wins(c, size_bytes, ranks))
+    return tree_allreduce_seconds(size_bytes, n, link);
   const double steps = (op == Op::AllReduce) ? 2.0 * (n - 1) : double(n - 1);
   return wire_bytes_per_rank(op, size_bytes, n) / link.bandwidth + steps * link.latency;
 }

@@ -1,6 +1,7 @@
 #include "simulator/collectives.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <simgrid/s4u.hpp>
 #include "core/collective_model.hpp"
@@ -133,10 +134,44 @@ CommPlan CollectivePlanner::collective(Op op, double bytes, const std::vector<in
     }
     return plan;
   }
+  if (op == Op::AllReduce && tree_allreduce_wins(cluster, bytes, ranks)) {
+    tree_allreduce(plan.phases, ranks, bytes);
+    return plan;
+  }
   const double volume = (op == Op::AllReduce ? 2 : 1) * frac * bytes;
   const int steps = op == Op::AllReduce ? 2 * (n - 1) : n - 1;
   ring(plan.phases, ranks, volume, steps, 0, 0);
   return plan;
+}
+
+// NCCL's double binary tree: two complementary binary trees over the members, each carrying half
+// the data, so that every rank sends and receives about S in the reduce phase (children to
+// parents) and again in the broadcast (parents to children). Both phases are pipelined: the flows
+// of a phase run concurrently, and the phase adds the latency of the tree's remaining levels.
+void CollectivePlanner::tree_allreduce(std::vector<Phase>& out, const std::vector<int>& members,
+                                       double bytes) const {
+  const int n = static_cast<int>(members.size());
+  const double depth = std::ceil(std::log2(double(n)));
+  auto parent_a = [](int i) { return (i - 1) / 2; };                      // tree over 0..n-1
+  auto parent_b = [n](int i) { return n - 1 - (n - 1 - i - 1) / 2; };     // the mirrored tree
+  double hop = 0;
+  for (int dir = 0; dir < 2; ++dir) {  // 0: reduce (up), 1: broadcast (down)
+    Phase p;
+    for (int i = 0; i < n; ++i) {
+      for (int tree = 0; tree < 2; ++tree) {
+        const bool is_root = tree == 0 ? i == 0 : i == n - 1;
+        if (is_root) continue;
+        const int parent = tree == 0 ? parent_a(i) : parent_b(i);
+        const int from = dir == 0 ? members[i] : members[parent];
+        const int to = dir == 0 ? members[parent] : members[i];
+        auto [s, d] = platform.endpoints(from, to);
+        if (hop == 0) hop = route_latency(s, d);
+        p.flows.push_back({s, d, bytes / 2});
+      }
+    }
+    p.after_seconds = std::max(0.0, depth - 1) * hop;
+    out.push_back(std::move(p));
+  }
 }
 
 CommPlan CollectivePlanner::p2p(double bytes, int from, int to) const {

@@ -9,7 +9,8 @@
 //
 // Algorithms:
 //  - group inside one node with a non-blocking NVSwitch: closed form (core/collective_model.hpp);
-//  - group with one member per node: flat ring over the NICs;
+//  - group with one member per node: flat ring over the NICs, or NCCL's double binary tree for an
+//    all-reduce when its closed form is faster (latency-bound sizes on many nodes);
 //  - group with m > 1 members on each of n > 1 nodes: hierarchical, as NCCL with one channel per
 //    rail: intra-node reduce-scatter (closed form), n-node ring on each of the m rails over S/m,
 //    intra-node all-gather (closed form);
@@ -60,6 +61,7 @@ struct CollectivePlanner {
   static double route_latency(simgrid::s4u::Host* a, simgrid::s4u::Host* b);
 
  private:
+  void tree_allreduce(std::vector<Phase>& out, const std::vector<int>& members, double bytes) const;
   void ring(std::vector<Phase>& out, const std::vector<int>& members, double volume_per_rank, int steps,
             double before, double after) const;
 };

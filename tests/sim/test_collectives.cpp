@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 #include "backends/sim/sim_backend.hpp"
 #include "simulator/collectives.hpp"
+#include "core/collective_model.hpp"
 
 using namespace dssim;
 
@@ -146,4 +147,30 @@ TEST_CASE("all-gather over more ranks than a NIC can serve is bounded by the ove
   }
   const Report rc = simulate_program(sc, cross);
   CHECK(rc.iteration_seconds == Approx(1e9 / (B / 4)).epsilon(0.01));
+}
+
+TEST_CASE("all-reduce across nodes: NCCL's double binary tree for latency-bound sizes, ring for large") {
+  Scenario sc = cluster_scenario(16, 1, 1, 25e9);
+  sc.cluster.switch_latency = 0;  // the closed form charges fat-tree hops the physical route may not take
+  const std::vector<int> group = iota(16);
+  const LinkClass link = group_link(sc.cluster, group);
+  // small: the tree's 2 log2(16) = 8 latencies beat the ring's 2 x 15 = 30
+  CHECK(tree_allreduce_wins(sc.cluster, 64e3, group));
+  CHECK(collective_seconds(sc.cluster, Op::AllReduce, 64e3, group) == Approx(tree_allreduce_seconds(64e3, 16, link)));
+  CHECK(tree_allreduce_seconds(64e3, 16, link) == Approx(2 * 64e3 / link.bandwidth + 8 * link.latency));
+  // large: bandwidth-bound, the ring moves 2 (N-1)/N S instead of 2 S
+  CHECK_FALSE(tree_allreduce_wins(sc.cluster, 1e9, group));
+  CHECK(collective_seconds(sc.cluster, Op::AllReduce, 1e9, group) == Approx(ring_allreduce_seconds(1e9, 16, link)));
+  // inside one node NCCL rings over NVLink
+  CHECK_FALSE(tree_allreduce_wins(cluster_scenario(1, 8, 8, 25e9).cluster, 64e3, iota(8)));
+
+  // The simulator runs the tree as flows and agrees with the closed form.
+  for (double bytes : {64e3, 1e6}) {
+    INFO("bytes " << bytes);
+    REQUIRE(tree_allreduce_wins(sc.cluster, bytes, group));
+    const Program p = collective_program(16, {group}, Op::AllReduce, bytes);
+    const double sim = simulate_program(sc, p).iteration_seconds;
+    CHECK(sim == Approx(tree_allreduce_seconds(bytes, 16, link)).epsilon(0.15));
+    CHECK(sim < ring_allreduce_seconds(bytes, 16, link));
+  }
 }
