@@ -38,7 +38,8 @@ Comparison compare(const Scenario& sc, const Prediction& p, const nlohmann::json
     q.measured = meas["seconds_per_iteration_by_instruction"].value(k, 0.0);
     c.kinds.push_back(q);
   }
-  c.kinds.push_back({"bubble", p.report.time.bubble, m["time_seconds"].value("bubble", 0.0)});
+  const double measured_bubble = m["time_seconds"].value("bubble", 0.0);
+  if (p.report.time.bubble > 0 || measured_bubble > 0) c.kinds.push_back({"bubble", p.report.time.bubble, measured_bubble});
   const auto& t = m.at("throughput");
   c.totals = {{"iteration_seconds", p.report.iteration_seconds, t.value("iteration_seconds", 0.0)},
               {"tokens_per_second", p.report.tokens_per_second, t.value("tokens_per_second", 0.0)},
