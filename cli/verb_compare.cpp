@@ -14,15 +14,11 @@
 
 #include "cli/output_file.hpp"
 #include "cli/options.hpp"
+#include "cli/predictors.hpp"
 #include "cli/verbs.hpp"
-#include "core/estimator.hpp"
-#include "core/program_builder.hpp"
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
 #include "validation/compare.hpp"
-#ifdef DSSIM_HAVE_SIM
-#include "backends/sim/sim_backend.hpp"
-#endif
 
 namespace po = boost::program_options;
 
@@ -30,30 +26,15 @@ namespace dssim::cli {
 
 namespace {
 
-validation::Prediction predict(const Scenario& sc, const std::string& predictor) {
-  validation::Prediction p;
-  p.predictor = predictor;
-  BuildOptions rep;
-  rep.representative_only = true;
-  const Program program = build_program(sc, rep);
-#ifdef DSSIM_HAVE_SIM
-  if (predictor == "sim") {
-    const SimRun run = simulate_program_run(sc, program);
-    p.report = run.report;
-    for (size_t k = 0; k < run.ranks.size(); ++k) {
-      if (run.ranks[k] != 0) continue;
-      const RankProgram& rp = program.ranks.at(run.templates[k]);
-      for (size_t i = 0; i < rp.instructions.size(); ++i)
-        p.seconds_by_kind[to_string(rp.instructions[i].op)] +=
-            run.timeline.spans[k][i].end - run.timeline.spans[k][i].start;
-    }
-    return p;
+// A JSON file named by an option, with errors that say which option and file.
+nlohmann::json read_json(const std::string& option, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(option + ": cannot read '" + path + "'");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw ConfigError(option + ": " + path + " is not valid JSON: " + e.what());
   }
-#endif
-  const Timeline tl = estimate(sc, program);
-  p.report = make_report(sc, program, tl, "analytic");
-  p.seconds_by_kind = validation::seconds_by_kind(program, tl, 0);
-  return p;
 }
 
 std::string quote(const std::string& s) {
@@ -71,11 +52,6 @@ std::string self_exe() {
 }  // namespace
 
 int verb_compare(int argc, char** argv) {
-#ifdef DSSIM_HAVE_SIM
-  const char* default_predictor = "sim";
-#else
-  const char* default_predictor = "analytic";
-#endif
   po::options_description opts("dssim compare FILE.yaml --backend cuda|cpu [options]");
   opts.add_options()
       ("help,h", "show this help")
@@ -84,7 +60,7 @@ int verb_compare(int argc, char** argv) {
       ("run-json", po::value<std::string>(), "use this `dssim run --json` output of FILE.yaml (measured elsewhere, e.g. on a GPU machine)")
       ("record", po::value<std::string>(), "write the measurement record (JSON) to this file")
       ("gpu-name", po::value<std::string>()->default_value(""), "GPU named in the record (default: the scenario's)")
-      ("predictor", po::value<std::string>()->default_value(default_predictor), "sim or analytic")
+      ("predictor", po::value<std::string>()->default_value(default_predictor()), "sim or analytic")
       ("steps", po::value<int>()->default_value(10), "training steps to measure (median after warm-up)")
       ("nproc", po::value<int>()->default_value(0), "local ranks for `dssim run` (0: one)")
       ("deepspeed_config", po::value<std::string>(), "a ds_config.json mapped onto the scenario")
@@ -93,9 +69,9 @@ int verb_compare(int argc, char** argv) {
   po::variables_map vm;
   if (auto rc = parse_options("compare", argc, argv, opts, vm, true)) return *rc;
   const std::string predictor = vm["predictor"].as<std::string>();
-  if (predictor != "analytic" && predictor != default_predictor) {
-    std::fprintf(stderr, "dssim compare: unknown --predictor '%s' (available: analytic%s)\n", predictor.c_str(),
-                 std::string(default_predictor) == "sim" ? ", sim" : "");
+  if (!has_predictor(predictor)) {
+    std::fprintf(stderr, "dssim compare: unknown --predictor '%s' (available: %s)\n", predictor.c_str(),
+                 available_predictors().c_str());
     return 2;
   }
   if (vm.count("measured") + vm.count("backend") + vm.count("run-json") != 1) {
@@ -111,13 +87,7 @@ int verb_compare(int argc, char** argv) {
     if (vm.count("set")) lo.overrides = vm["set"].as<std::vector<std::string>>();
     if (vm.count("measured")) {
       const std::string path = vm["measured"].as<std::string>();
-      std::ifstream in(path);
-      if (!in) throw ConfigError("--measured: cannot read '" + path + "'");
-      try {
-        record = nlohmann::json::parse(in);
-      } catch (const std::exception& e) {
-        throw ConfigError("--measured: " + path + " is not valid JSON: " + e.what());
-      }
+      record = read_json("--measured", path);
       sc = validation::record_scenario(record, path);
       measured = record.at("report");
     } else {
@@ -125,13 +95,7 @@ int verb_compare(int argc, char** argv) {
       sc = load_scenario(vm["file"].as<std::string>(), lo);
       if (vm.count("run-json")) {
         const std::string path = vm["run-json"].as<std::string>();
-        std::ifstream in(path);
-        if (!in) throw ConfigError("--run-json: cannot read '" + path + "'");
-        try {
-          measured = nlohmann::json::parse(in);
-        } catch (const std::exception& e) {
-          throw ConfigError("--run-json: " + path + " is not valid JSON: " + e.what());
-        }
+        measured = read_json("--run-json", path);
         if (!measured.contains("extras") || !measured["extras"].contains("measured"))
           throw ConfigError("--run-json: " + path + " is not a `dssim run --json` report (no extras.measured)");
         std::string gpu = vm["gpu-name"].as<std::string>();
@@ -170,7 +134,7 @@ int verb_compare(int argc, char** argv) {
       record = validation::make_record(sc, measured, gpu, "dssim compare " + vm["file"].as<std::string>() +
                                                              " --backend " + backend);
     }
-    const validation::Comparison c = validation::compare(sc, predict(sc, predictor), measured);
+    const validation::Comparison c = validation::compare(sc, predict_with_kinds(sc, predictor), measured);
     if (vm.count("record")) write_file_atomically(vm["record"].as<std::string>(), record.dump(1) + "\n");
     if (vm.count("json"))
       std::cout << c.to_json().dump(2) << "\n";

@@ -7,6 +7,7 @@
 
 #include "cli/output_file.hpp"
 #include "cli/options.hpp"
+#include "cli/predictors.hpp"
 #include "cli/verbs.hpp"
 #include "core/estimator.hpp"
 #include "core/fit_advisor.hpp"
@@ -20,12 +21,6 @@ namespace po = boost::program_options;
 
 namespace dssim::cli {
 
-#ifdef DSSIM_HAVE_SIM
-constexpr const char* kDefaultBackend = "sim";
-#else
-constexpr const char* kDefaultBackend = "analytic";
-#endif
-
 int verb_scenario(int argc, char** argv) {
   po::options_description opts("dssim scenario FILE.yaml [options]");
   opts.add_options()
@@ -33,7 +28,7 @@ int verb_scenario(int argc, char** argv) {
       ("deepspeed_config", po::value<std::string>(), "a DeepSpeed ds_config.json mapped onto the scenario")
       ("set", po::value<std::vector<std::string>>()->composing(), "override a key: --set parallel.pp=16 (repeatable)")
       ("gpus", po::value<int>()->default_value(0), "resize the cluster to N GPUs (data parallelism absorbs it)")
-      ("backend", po::value<std::string>()->default_value(kDefaultBackend),
+      ("backend", po::value<std::string>()->default_value(default_predictor()),
        "analytic (closed form over the Program) or sim (SimGrid cluster model)")
       ("trace", po::value<std::string>(), "sim: write a Chrome trace / Perfetto timeline (JSON) to this file")
       ("trace-ranks", po::value<std::string>(), "sim: comma-separated ranks to put in the trace (default: all simulated)")
@@ -51,15 +46,9 @@ int verb_scenario(int argc, char** argv) {
     return 2;
   }
   const std::string backend = vm["backend"].as<std::string>();
-#ifdef DSSIM_HAVE_SIM
-  const char* backends = "analytic, sim";
-  const bool known_backend = backend == "analytic" || backend == "sim";
-#else
-  const char* backends = "analytic (this build has no SimGrid)";
-  const bool known_backend = backend == "analytic";
-#endif
-  if (!known_backend) {
-    std::fprintf(stderr, "dssim scenario: unknown --backend '%s' (available: %s)\n", backend.c_str(), backends);
+  if (!has_predictor(backend)) {
+    std::fprintf(stderr, "dssim scenario: unknown --backend '%s' (available: %s)\n", backend.c_str(),
+                 available_predictors().c_str());
     return 2;
   }
   if (backend != "sim" && (vm.count("trace") || vm.count("trace-ranks"))) {

@@ -7,46 +7,32 @@
 #include <iostream>
 
 #include "cli/options.hpp"
+#include "cli/predictors.hpp"
 #include "cli/verbs.hpp"
-#include "core/estimator.hpp"
 #include "core/scenario_loader.hpp"
 #include "validation/harness.hpp"
-#ifdef DSSIM_HAVE_SIM
-#include "backends/sim/sim_backend.hpp"
-#endif
 
 namespace po = boost::program_options;
 
 namespace dssim::cli {
 
 int verb_validate(int argc, char** argv) {
-#ifdef DSSIM_HAVE_SIM
-  const char* default_backend = "sim";
-#else
-  const char* default_backend = "analytic";
-#endif
   po::options_description opts("dssim validate [options]");
   opts.add_options()
       ("help,h", "show this help")
-      ("backend", po::value<std::string>()->default_value(default_backend), "analytic or sim")
+      ("backend", po::value<std::string>()->default_value(default_predictor()), "analytic or sim")
       ("dir", po::value<std::string>(), "validation directory (default: <dssim data root>/validation)")
       ("json", "print the results as JSON (schema dssim.validate/1)")
       ("verbose,v", "print citations");
   po::variables_map vm;
   if (auto rc = parse_options("validate", argc, argv, opts, vm, false)) return *rc;
   const std::string backend = vm["backend"].as<std::string>();
-  validation::Predictor predict;
-  if (backend == "analytic") {
-    predict = [](const Scenario& sc) { return analytic_report(sc, /*suggest=*/false); };
-#ifdef DSSIM_HAVE_SIM
-  } else if (backend == "sim") {
-    predict = [](const Scenario& sc) { return simulate(sc); };
-#endif
-  } else {
-    std::fprintf(stderr, "dssim validate: unknown --backend '%s' (available: analytic%s)\n", backend.c_str(),
-                 default_backend == std::string("sim") ? ", sim" : "");
+  if (!has_predictor(backend)) {
+    std::fprintf(stderr, "dssim validate: unknown --backend '%s' (available: %s)\n", backend.c_str(),
+                 available_predictors().c_str());
     return 2;
   }
+  const validation::Predictor predict = [backend](const Scenario& sc) { return predict_report(sc, backend); };
   const std::string dir = vm.count("dir") ? vm["dir"].as<std::string>()
                                           : (std::filesystem::path(data_root()) / "validation").string();
   try {

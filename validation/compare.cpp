@@ -10,12 +10,10 @@
 
 namespace dssim::validation {
 
-std::map<std::string, double> seconds_by_kind(const Program& program, const Timeline& timeline, int rank_index) {
+std::map<std::string, double> seconds_by_kind(const RankProgram& rank, const std::vector<Span>& spans) {
   std::map<std::string, double> out;
-  const RankProgram& rp = program.ranks.at(rank_index);
-  const auto& spans = timeline.spans.at(rank_index);
-  for (size_t i = 0; i < rp.instructions.size(); ++i)
-    out[to_string(rp.instructions[i].op)] += spans[i].end - spans[i].start;
+  for (size_t i = 0; i < rank.instructions.size(); ++i)
+    out[to_string(rank.instructions[i].op)] += spans.at(i).end - spans.at(i).start;
   return out;
 }
 

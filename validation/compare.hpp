@@ -20,9 +20,8 @@ struct Prediction {
   std::map<std::string, double> seconds_by_kind; // rank 0, one iteration: "forward", "all_reduce", ...
 };
 
-// Seconds per instruction kind (Op name) on Program::ranks[rank_index] of a timeline.
-std::map<std::string, double> seconds_by_kind(const Program& program, const Timeline& timeline,
-                                              int rank_index);
+// Seconds per instruction kind (Op name) of one rank: its instructions and their spans.
+std::map<std::string, double> seconds_by_kind(const RankProgram& rank, const std::vector<Span>& spans);
 
 struct Pair {
   std::string name;
