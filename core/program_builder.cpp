@@ -712,6 +712,16 @@ class Builder {
     in.memory_bytes = c.memory_bytes;
   }
 
+  // Forward / recompute / backward of one segment's layers for one micro-batch.
+  static Instruction segment_compute(Op op, const Segment& s, const OpsCost& cost, const Action& a) {
+    Instruction in = make(op, Stream::Compute, Purpose::None, a.mb, a.chunk);
+    in.layer_begin = s.layer_begin;
+    in.layer_count = s.layer_count;
+    in.ops = s.ops;
+    set_cost(in, cost);
+    return in;
+  }
+
   void emit_forward(Program&, RankCtx& x, const std::vector<SegRef>& segs, const Action& a) {
     const Chunk& ch = x.plan->chunks[a.chunk];
     const int slot = a.chunk * M_ + a.mb;
@@ -724,12 +734,7 @@ class Builder {
         ++x.seg_cursor;
       }
       if (k == 0) gather_received_slice(x, x.recv_act[slot], Purpose::PipelineActivation, a.mb, a.chunk);
-      Instruction in = make(Op::Forward, Stream::Compute, Purpose::None, a.mb, a.chunk);
-      in.layer_begin = s.layer_begin;
-      in.layer_count = s.layer_count;
-      in.ops = s.ops;
-      set_cost(in, s.fwd);
-      add(x, in, {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
+      add(x, segment_compute(Op::Forward, s, s.fwd, a), {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
       emit_tp(x, s, a.mb, a.chunk);
       emit_moe(x, s, a.mb, a.chunk, false);
     }
@@ -758,23 +763,13 @@ class Builder {
       const uint32_t grad_in = first ? x.recv_grad[slot] : kNone;
       if (first) gather_received_slice(x, grad_in, Purpose::PipelineGradient, a.mb, a.chunk);
       if (sc_.recompute != Recompute::none) {
-        Instruction rc = make(Op::Recompute, Stream::Compute, Purpose::None, a.mb, a.chunk);
-        rc.layer_begin = s.layer_begin;
-        rc.layer_count = s.layer_count;
-        rc.ops = s.ops;
-        set_cost(rc, s.rec);
-        add(x, rc, {grad_in, ag_d, ag_e});
+        add(x, segment_compute(Op::Recompute, s, s.rec, a), {grad_in, ag_d, ag_e});
         if (sc_.recompute == Recompute::full) {  // the recomputed forward repeats its TP / MoE comm
           emit_tp(x, s, a.mb, a.chunk);
           emit_moe(x, s, a.mb, a.chunk, false);
         }
       }
-      Instruction in = make(Op::Backward, Stream::Compute, Purpose::None, a.mb, a.chunk);
-      in.layer_begin = s.layer_begin;
-      in.layer_count = s.layer_count;
-      in.ops = s.ops;
-      set_cost(in, s.bwd);
-      add(x, in, {grad_in, ag_d, ag_e});
+      add(x, segment_compute(Op::Backward, s, s.bwd, a), {grad_in, ag_d, ag_e});
       emit_tp(x, s, a.mb, a.chunk);
       emit_moe(x, s, a.mb, a.chunk, true);
       const uint32_t produced = x.last_compute;

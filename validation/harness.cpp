@@ -136,6 +136,12 @@ Table measured_table(const std::string& dir, const Predictor& predict) {
   return t;
 }
 
+void apply_thresholds(Table& t, const YAML::Node& thresholds) {
+  if (!thresholds[t.name]) return;
+  t.allowed_max = thresholds[t.name]["max_abs_error"].as<double>(-1);
+  t.allowed_mean = thresholds[t.name]["mean_abs_error"].as<double>(-1);
+}
+
 }  // namespace
 
 Table run_table(const std::string& path, const Predictor& predict) {
@@ -174,19 +180,13 @@ std::vector<Table> run_validation(const std::string& dir, const Predictor& predi
   std::vector<Table> out;
   for (const auto& f : files) {
     Table t = run_table(f, predict);
-    if (thresholds[t.name]) {
-      t.allowed_max = thresholds[t.name]["max_abs_error"].as<double>(-1);
-      t.allowed_mean = thresholds[t.name]["mean_abs_error"].as<double>(-1);
-    }
+    apply_thresholds(t, thresholds);
     out.push_back(std::move(t));
   }
   const fs::path measured = fs::path(dir) / "measured";
   if (fs::is_directory(measured) && !fs::is_empty(measured)) {
     Table t = measured_table(measured.string(), predict);
-    if (thresholds[t.name]) {
-      t.allowed_max = thresholds[t.name]["max_abs_error"].as<double>(-1);
-      t.allowed_mean = thresholds[t.name]["mean_abs_error"].as<double>(-1);
-    }
+    apply_thresholds(t, thresholds);
     if (!t.rows.empty()) out.push_back(std::move(t));
   }
   return out;
