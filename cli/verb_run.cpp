@@ -72,17 +72,17 @@ int verb_run(int argc, char** argv) {
     if (a == "--help" || a == "-h") { std::fputs(kUsage, stdout); return 0; }
     else if (a == "--backend") { if (!value(o.backend)) return fail("--backend needs a value"); }
     else if (a == "--nproc") { if (!int_value(nproc) || nproc < 1) return fail("--nproc needs a positive integer"); }
-    else if (a == "--steps") { if (!int_value(o.steps) || o.steps < 1) return fail("--steps needs a positive integer"); }
-    else if (a == "--warmup") { if (!int_value(o.warmup_steps) || o.warmup_steps < 0) return fail("--warmup needs an integer >= 0"); }
-    else if (a == "--data") { if (!value(o.data_path)) return fail("--data needs a file"); }
+    else if (a == "--steps") { if (!int_value(o.engine.steps) || o.engine.steps < 1) return fail("--steps needs a positive integer"); }
+    else if (a == "--warmup") { if (!int_value(o.engine.warmup_steps) || o.engine.warmup_steps < 0) return fail("--warmup needs an integer >= 0"); }
+    else if (a == "--data") { if (!value(o.engine.data_path)) return fail("--data needs a file"); }
     else if (a == "--deepspeed_config") { if (!value(lo.deepspeed_config)) return fail("--deepspeed_config needs a file"); }
     else if (a == "--set") { std::string s; if (!value(s)) return fail("--set needs key=value"); lo.overrides.push_back(s); }
     else if (a == "--json") o.json = true;
     else if (a == "--verbose" || a == "-v") o.verbose = true;
-    else if (a == "--quiet") o.progress = false;
-    else if (a == "--checkpoint-dir") { if (!value(o.checkpoint_dir)) return fail("--checkpoint-dir needs a directory"); }
-    else if (a == "--save-every") { if (!int_value(o.save_every) || o.save_every < 0) return fail("--save-every needs an integer >= 0"); }
-    else if (a == "--resume") o.resume = true;
+    else if (a == "--quiet") o.engine.progress = false;
+    else if (a == "--checkpoint-dir") { if (!value(o.engine.checkpoint_dir)) return fail("--checkpoint-dir needs a directory"); }
+    else if (a == "--save-every") { if (!int_value(o.engine.save_every) || o.engine.save_every < 0) return fail("--save-every needs an integer >= 0"); }
+    else if (a == "--resume") o.engine.resume = true;
     else if (a == "--timeout") {
       std::string s;
       if (!value(s)) return fail("--timeout needs seconds");
@@ -90,11 +90,11 @@ int verb_run(int argc, char** argv) {
       if (o.timeout_seconds <= 0) return fail("--timeout must be positive");
     }
     // Test hooks, not in the usage text.
-    else if (a == "--kill-rank") { if (!int_value(o.kill_rank)) return fail("--kill-rank needs a rank"); }
-    else if (a == "--kill-at-step") { if (!int_value(o.kill_at_step)) return fail("--kill-at-step needs a step"); }
-    else if (a == "--hang-rank") { if (!int_value(o.hang_rank)) return fail("--hang-rank needs a rank"); }
-    else if (a == "--hang-at-step") { if (!int_value(o.hang_at_step)) return fail("--hang-at-step needs a step"); }
-    else if (a == "--dump-params") { if (!value(o.dump_params)) return fail("--dump-params needs a file"); }
+    else if (a == "--kill-rank") { if (!int_value(o.engine.kill_rank)) return fail("--kill-rank needs a rank"); }
+    else if (a == "--kill-at-step") { if (!int_value(o.engine.kill_at_step)) return fail("--kill-at-step needs a step"); }
+    else if (a == "--hang-rank") { if (!int_value(o.engine.hang_rank)) return fail("--hang-rank needs a rank"); }
+    else if (a == "--hang-at-step") { if (!int_value(o.engine.hang_at_step)) return fail("--hang-at-step needs a step"); }
+    else if (a == "--dump-params") { if (!value(o.engine.dump_params)) return fail("--dump-params needs a file"); }
     else if (a == "--inject-overflow") {
       std::string s, item;
       if (!value(s)) return fail("--inject-overflow needs steps, comma separated");
@@ -102,7 +102,7 @@ int verb_run(int argc, char** argv) {
       while (std::getline(ss, item, ',')) {
         int k = 0;
         if (!parse_int(item, k)) return fail("--inject-overflow: bad step '" + item + "'");
-        o.overflow_steps.push_back(k);
+        o.engine.overflow_steps.push_back(k);
       }
     }
     else if (a.rfind("-", 0) == 0) return fail("unknown option '" + a + "'");
@@ -111,7 +111,7 @@ int verb_run(int argc, char** argv) {
   }
   if (file.empty()) return fail("no scenario file");
   if (o.backend != "cpu" && o.backend != "cuda") return fail("--backend must be cuda or cpu");
-  if (o.resume && o.checkpoint_dir.empty()) return fail("--resume needs --checkpoint-dir");
+  if (o.engine.resume && o.engine.checkpoint_dir.empty()) return fail("--resume needs --checkpoint-dir");
 
   if (nproc > 1 && !tb::env_has_rank()) return tb::spawn_local_ranks(nproc, o.timeout_seconds);
   Scenario sc;

@@ -230,21 +230,7 @@ int run_rank(const Scenario& sc, const RunOptions& o) {
       comm = std::make_unique<LocalCommunicator>();
     }
     const Program program = build_program(sc);
-    EngineOptions eo;
-    eo.steps = o.steps;
-    eo.data_path = o.data_path;
-    eo.checkpoint_dir = o.checkpoint_dir;
-    eo.save_every = o.save_every;
-    eo.resume = o.resume;
-    eo.warmup_steps = o.warmup_steps;
-    eo.progress = o.progress;
-    eo.kill_rank = o.kill_rank;
-    eo.kill_at_step = o.kill_at_step;
-    eo.hang_rank = o.hang_rank;
-    eo.hang_at_step = o.hang_at_step;
-    eo.overflow_steps = o.overflow_steps;
-    eo.dump_params = o.dump_params;
-    const EngineResult res = train(sc, program, *comm, eo, device);
+    const EngineResult res = train(sc, program, *comm, o.engine, device);
     if (rank == 0) {
       const Report r = make_report(sc, program, res, o, comm->name());
       if (o.json) std::cout << report_json(sc, r).dump(2) << std::endl;

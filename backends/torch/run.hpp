@@ -2,27 +2,17 @@
 #pragma once
 #include <string>
 #include <vector>
+#include "backends/torch/engine_options.hpp"
 #include "core/scenario.hpp"
 
 namespace dssim::tb {
 
 struct RunOptions {
   std::string backend = "cpu";   // cpu | cuda
-  int steps = 10;
-  std::string data_path;
-  std::string checkpoint_dir;
-  int save_every = 0;
-  bool resume = false;
   bool json = false;
   bool verbose = false;
   double timeout_seconds = 300;  // a collective (or the rendezvous) waiting longer fails the run
-  int warmup_steps = -1;
-  bool progress = true;
-  // Test hooks (hidden options).
-  int kill_rank = -1, kill_at_step = -1;
-  int hang_rank = -1, hang_at_step = -1;
-  std::vector<int> overflow_steps;
-  std::string dump_params;
+  EngineOptions engine;          // steps, data, checkpoints, test hooks
 };
 
 // Runs this process's rank: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the
