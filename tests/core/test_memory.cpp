@@ -5,6 +5,7 @@
 
 #include "core/memory.hpp"
 #include "core/model.hpp"
+#include "tests/core/gpt_spec.hpp"
 
 using namespace dssim;
 using Catch::Detail::Approx;
@@ -12,13 +13,7 @@ using Catch::Detail::Approx;
 namespace {
 
 ModelSpec gpt(int layers, int hidden, int heads) {
-  ModelSpec m;
-  m.name = "gpt";
-  m.layers = layers;
-  m.hidden = hidden;
-  m.heads = heads;
-  m.vocab = 51200;
-  m.seq_len = 2048;
+  ModelSpec m = test::gpt_spec(layers, hidden, heads);
   m.flash_attention = false;  // Korthikanti's forms describe the unfused attention core
   return m;
 }

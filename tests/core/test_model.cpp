@@ -6,22 +6,15 @@
 #include <map>
 
 #include "core/model.hpp"
+#include "tests/core/gpt_spec.hpp"
 
 using namespace dssim;
 using Catch::Detail::Approx;
 
 namespace {
 
-ModelSpec gpt(int layers, int hidden, int heads) {
-  ModelSpec m;
-  m.name = "gpt";
-  m.layers = layers;
-  m.hidden = hidden;
-  m.heads = heads;
-  m.vocab = 51200;
-  m.seq_len = 2048;
-  return m;
-}
+using test::gpt_spec;
+ModelSpec gpt(int layers, int hidden, int heads) { return gpt_spec(layers, hidden, heads); }
 
 ModelSpec gpt3_175b() { return gpt(96, 12288, 96); }
 
