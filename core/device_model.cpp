@@ -54,9 +54,9 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
   const GpuSpec& g = cluster_.gpu;
   if (inst.ops >= 0 && inst.ops < static_cast<int>(program.op_lists.size())) {
     // The op list holds the forward kernels; the phase says what runs (cf. model.hpp's
-    // backward_cost / recompute_cost): backward runs each GEMM twice (input and weight gradient)
-    // and moves twice the bytes in elementwise kernels; selective recompute re-runs the
-    // attention core only.
+    // backward_cost / recompute_cost): backward runs each GEMM twice (input and weight gradient;
+    // at the profile's measured dgrad / wgrad rates where it has them) and moves twice the bytes
+    // in elementwise kernels; selective recompute re-runs the attention core only.
     double t = 0;
     for (const LayerOp& op : program.op_lists[inst.ops]) {
       switch (inst.op) {
@@ -66,7 +66,7 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
             // forward's 2 (Dao 2023, arXiv:2307.08691, section 3.1.2): 2.5x the forward.
             t += 2.5 * kernel_seconds(op);
           } else if (op.gemm) {
-            t += 2 * kernel_seconds(op);
+            t += backward_gemm_seconds(op);
           } else {
             LayerOp twice = op;
             twice.memory_bytes *= 2;
@@ -83,13 +83,29 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
     }
     return t;
   }
-  // No kernel list (optimizer step): a fused multi-tensor kernel, memory-bound in practice.
+  // No kernel list (optimizer step): a fused multi-tensor kernel, memory-bound in practice. A
+  // profile's optimizer_step rows time the engine's whole step sequence over the same bytes.
+  if (profile_ && inst.op == Op::OptimizerStep && inst.memory_bytes > 0)
+    if (auto bw = profile_->elementwise_bytes_per_second("optimizer_step", dtype_, inst.memory_bytes))
+      return inst.memory_bytes / *bw;
   const double memory = inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
   const double compute = inst.flops / (cluster_.gpu.peak_flops_32 > 0 ? cluster_.gpu.peak_flops_32 : peak_);
   return std::max(memory, compute) + g.kernel_launch;
 }
 
+double DeviceModel::backward_gemm_seconds(const LayerOp& op) const {
+  if (profile_ && !op.attention_core)
+    if (auto t = profile_->backward_gemm_seconds(op, dtype_)) return *t;
+  // Input and weight gradient, each as costly as the forward GEMM.
+  return 2 * kernel_seconds(op);
+}
+
 double DeviceModel::host_seconds(const Instruction& inst) const {
+  // Measured: the calibration ran adamw_step in one process over all the host's cores; the node's
+  // GPUs step at the same time and share them, so each takes gpus_per_node times as long.
+  if (profile_ && inst.memory_bytes > 0)
+    if (auto bw = profile_->elementwise_bytes_per_second("host_adamw", Dtype::fp32, inst.memory_bytes))
+      return inst.memory_bytes / *bw * std::max(1, cluster_.gpus_per_node);
   // DeepSpeed's CPUAdam streams params, grads and moments through host memory; the node's
   // bandwidth is shared by the node's GPUs, which all step at the same time.
   const double per_gpu_bw = cluster_.host_memory_bandwidth / std::max(1, cluster_.gpus_per_node);

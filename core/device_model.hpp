@@ -18,10 +18,14 @@ class DeviceModel {
   explicit DeviceModel(const Scenario& sc);
 
   double kernel_seconds(const LayerOp& op) const;
+  // Backward of a GEMM LayerOp (given by its forward shape, not attention-core): the profile's
+  // dgrad + wgrad time where both are measured, else 2x kernel_seconds.
+  double backward_gemm_seconds(const LayerOp& op) const;
   // Compute instruction on the GPU (Forward/Backward/Recompute/OptimizerStep), one repetition.
   // Program::op_lists hold forward kernels; Backward and Recompute derive theirs from them.
   double compute_seconds(const Program& program, const Instruction& inst) const;
-  // Host optimizer step: bound by host memory bandwidth shared by the node's GPUs.
+  // Host optimizer step: bound by host memory bandwidth shared by the node's GPUs (or the profile's
+  // host_adamw rate, shared by the node's GPUs).
   double host_seconds(const Instruction& inst) const;
   // PCIe copy (CopyH2D / CopyD2H).
   double copy_seconds(const Instruction& inst) const;

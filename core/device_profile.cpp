@@ -198,6 +198,11 @@ std::vector<Row> rows(const Ctx& c, const YAML::Node& root, const std::string& n
   return out;
 }
 
+const std::vector<std::string> kGemmPasses = {"forward", "dgrad", "wgrad"};
+// Elementwise families that stand in for one another (gelu / layer_norm -> add); the optimizer
+// rows are whole sequences of kernels with their own byte conventions and have no stand-in.
+bool add_stands_in_for(const std::string& op) { return op == "gelu" || op == "layer_norm"; }
+
 const std::vector<std::string> kCollectives = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"};
 
 }  // namespace
@@ -218,10 +223,20 @@ std::string elementwise_family(const std::string& op_name) {
   return "add";
 }
 
-std::optional<double> DeviceProfile::gemm_flops_per_second(Dtype dtype, double m, double n, double k, double batch) const {
+const char* to_string(GemmPass p) {
+  switch (p) {
+    case GemmPass::forward: return "forward";
+    case GemmPass::dgrad: return "dgrad";
+    case GemmPass::wgrad: return "wgrad";
+  }
+  return "forward";
+}
+
+std::optional<double> DeviceProfile::gemm_flops_per_second(Dtype dtype, double m, double n, double k, double batch,
+                                                           GemmPass pass) const {
   std::vector<Sample> s;
   for (const auto& r : gemm)
-    if (r.dtype == dtype) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
+    if (r.dtype == dtype && r.pass == pass) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
   return interpolate(s, {lg(m * std::max(1.0, batch)), lg(n), lg(k)});
 }
 
@@ -236,7 +251,9 @@ std::optional<double> DeviceProfile::attention_flops_per_second(const std::strin
 
 std::optional<double> DeviceProfile::elementwise_bytes_per_second(const std::string& op, Dtype dtype, double bytes) const {
   // Bandwidth hardly depends on the dtype: rows of another dtype stand in when this one has none.
-  for (const std::string& family : {op, std::string("add")}) {
+  std::vector<std::string> families = {op};
+  if (add_stands_in_for(op)) families.push_back("add");
+  for (const std::string& family : families) {
     auto s = bandwidth_samples(elementwise, family, &dtype);
     if (s.empty()) s = bandwidth_samples(elementwise, family, nullptr);
     if (!s.empty()) return interpolate(s, {lg(bytes)});
@@ -274,6 +291,14 @@ std::optional<double> DeviceProfile::kernel_seconds(const LayerOp& op, Dtype dty
   const auto bw = elementwise_bytes_per_second(elementwise_family(op.name), dtype, op.memory_bytes);
   if (!bw) return std::nullopt;
   return op.memory_bytes / *bw;
+}
+
+std::optional<double> DeviceProfile::backward_gemm_seconds(const LayerOp& op, Dtype dtype) const {
+  if (!op.gemm || op.attention_core || op.flops <= 0) return std::nullopt;
+  const auto dgrad = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch, GemmPass::dgrad);
+  const auto wgrad = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch, GemmPass::wgrad);
+  if (!dgrad || !wgrad) return std::nullopt;
+  return op.flops / *dgrad + op.flops / *wgrad;
 }
 
 std::optional<double> DeviceProfile::efficiency(const LayerOp& op, Dtype dtype, bool flash, double peak_flops) const {
@@ -322,13 +347,17 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
       m.notes.push_back(get_string(c, "metadata.notes[" + std::to_string(i) + "]", notes[i]));
   }
 
-  p.gemm = rows<GemmPoint>(c, root, "gemm", {"op", "dtype", "m", "n", "k", "flops_per_second", "seconds"},
+  p.gemm = rows<GemmPoint>(c, root, "gemm", {"op", "dtype", "pass", "m", "n", "k", "flops_per_second", "seconds"},
                            [&](const std::string& key, const YAML::Node& r) {
     GemmPoint g;
     g.dtype = get_dtype(c, key + ".dtype", required(c, key, r, "dtype"));
     g.m = get_positive(c, key + ".m", required(c, key, r, "m"));
     g.n = get_positive(c, key + ".n", required(c, key, r, "n"));
     g.k = get_positive(c, key + ".k", required(c, key, r, "k"));
+    if (r["pass"]) {
+      const std::string pass = get_enum(c, key + ".pass", r["pass"], kGemmPasses);
+      g.pass = pass == "dgrad" ? GemmPass::dgrad : pass == "wgrad" ? GemmPass::wgrad : GemmPass::forward;
+    }
     g.flops_per_second = get_positive(c, key + ".flops_per_second", required(c, key, r, "flops_per_second"));
     if (r["seconds"]) g.seconds = get_positive(c, key + ".seconds", r["seconds"]);
     if (r["op"]) g.op = get_string(c, key + ".op", r["op"]);
@@ -364,7 +393,7 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
       return b;
     });
   };
-  p.elementwise = bandwidth_rows("elementwise", "op", {"add", "gelu", "layer_norm"}, true);
+  p.elementwise = bandwidth_rows("elementwise", "op", {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw"}, true);
   p.copy = bandwidth_rows("copy", "direction", {"h2d", "d2h"}, false);
   p.collectives = rows<CollectivePoint>(c, root, "collectives",
                                         {"collective", "ranks", "bytes", "seconds", "algorithm_bandwidth", "bus_bandwidth"},
@@ -447,6 +476,7 @@ std::string to_yaml(const DeviceProfile& p) {
       y << YAML::Flow << YAML::BeginMap;
       if (!g.op.empty()) y << YAML::Key << "op" << YAML::Value << g.op;
       y << YAML::Key << "dtype" << YAML::Value << to_string(g.dtype);
+      if (g.pass != GemmPass::forward) y << YAML::Key << "pass" << YAML::Value << to_string(g.pass);
       y << YAML::Key << "m" << YAML::Value << g.m << YAML::Key << "n" << YAML::Value << g.n << YAML::Key << "k" << YAML::Value << g.k;
       y << YAML::Key << "flops_per_second" << YAML::Value << g.flops_per_second;
       if (g.seconds > 0) y << YAML::Key << "seconds" << YAML::Value << g.seconds;
@@ -512,7 +542,9 @@ std::string device_profile_summary(const DeviceProfile& p) {
     g.unit = unit;
     g.scale = scale;
   };
-  for (const auto& g : p.gemm) add(std::string("gemm ") + to_string(g.dtype), g.flops_per_second, "TFLOP/s", 1e12);
+  for (const auto& g : p.gemm)
+    add(std::string("gemm ") + (g.pass == GemmPass::forward ? "" : std::string(to_string(g.pass)) + " ") + to_string(g.dtype),
+        g.flops_per_second, "TFLOP/s", 1e12);
   for (const auto& a : p.attention) add("attention " + a.kernel + " " + to_string(a.dtype), a.flops_per_second, "TFLOP/s", 1e12);
   for (const auto& e : p.elementwise) add(e.op + " " + to_string(e.dtype), e.bytes_per_second, "GB/s", 1e9);
   for (const auto& c : p.copy) add("copy " + c.op + " (pinned)", c.bytes_per_second, "GB/s", 1e9);

@@ -10,7 +10,12 @@
 //    counts as one GEMM of m * batch rows (it fills the GPU as that would).
 //  - Fused attention: FLOP/s over (batch * heads, seq_len, head_dim), the same way. FLOPs are
 //    counted as dssim's model counts them, 4 * batch * heads * s^2 * head_dim (no causal halving).
+//  - Backward GEMMs of a linear layer (dgrad dX = dY W, wgrad dW = dY^T X): rows with `pass`
+//    dgrad / wgrad, kept at the forward op's (m, n, k); looked up only among rows of that pass.
 //  - Elementwise / LayerNorm, host <-> device copies: bytes/s over the bytes moved, log-linear.
+//  - The optimizer step (elementwise op optimizer_step: the engine's fold + fused AdamW + clear +
+//    publish, 50 bytes per parameter) and the host AdamW of CPU offload (host_adamw, 30 bytes per
+//    parameter): bytes/s over those byte counts; no fallback to add's rows.
 //  - Outside the table: below the smallest measured size on some axis the preset curve applies
 //    (nullopt here: launch- and latency-bound territory the table does not cover); above the
 //    largest, the largest measured size's value (throughput plateaus with size).
@@ -37,9 +42,17 @@ struct DeviceProfileMetadata {
   std::vector<std::string> notes;
 };
 
+// Which GEMM of a linear layer y[m x n] = x[m x k] W^T (W row-major [n x k]) a row times:
+// forward y = x W^T; dgrad dX[m x k] = dY[m x n] W; wgrad dW[n x k] = dY^T[n x m] X[m x k].
+// Every row keeps the forward op's (m, n, k), so a lookup is by the forward shape plus the pass;
+// the FLOPs are 2 m n k in each.
+enum class GemmPass { forward, dgrad, wgrad };
+const char* to_string(GemmPass);
+
 struct GemmPoint {            // C[m x n] = A[m x k] B[k x n]
   Dtype dtype = Dtype::bf16;
   double m = 0, n = 0, k = 0;
+  GemmPass pass = GemmPass::forward;  // YAML `pass:`, written only when not forward
   double flops_per_second = 0;
   double seconds = 0;         // median per GEMM (informational; flops_per_second is what is used)
   std::string op;             // which transformer GEMM it stands for (qkv, attention_proj, ...), informational
@@ -55,7 +68,12 @@ struct AttentionPoint {
 };
 
 struct BandwidthPoint {       // memory-bound kernels and copies
-  std::string op;             // elementwise: add | gelu | layer_norm; copies: h2d | d2h
+  // elementwise: add | gelu | layer_norm | optimizer_step | host_adamw; copies: h2d | d2h.
+  // optimizer_step: the engine's GPU step per parameter (backends/torch/optimizer_kernels.hpp),
+  // bytes = 50 per parameter, dtype = the 16-bit dtype of the gradients / published weights.
+  // host_adamw: adamw_step on host fp32 tensors writing a bf16 copy, bytes = 30 per parameter
+  // (read 16, write 12 + 2), dtype fp32.
+  std::string op;
   Dtype dtype = Dtype::bf16;  // unused for copies
   double bytes = 0;           // bytes read + written (copies: bytes copied)
   double bytes_per_second = 0;
@@ -82,11 +100,14 @@ struct DeviceProfile {
   std::vector<BandwidthPoint> copy;
   std::vector<CollectivePoint> collectives;
 
-  // Achieved FLOP/s of a GEMM C[m x n] = A[m x k] B[k x n] repeated `batch` times.
-  std::optional<double> gemm_flops_per_second(Dtype, double m, double n, double k, double batch = 1) const;
+  // Achieved FLOP/s of a GEMM C[m x n] = A[m x k] B[k x n] repeated `batch` times; `pass`: which
+  // of the linear layer's GEMMs, (m, n, k) being the forward op's; only rows of that pass count.
+  std::optional<double> gemm_flops_per_second(Dtype, double m, double n, double k, double batch = 1,
+                                              GemmPass pass = GemmPass::forward) const;
   std::optional<double> attention_flops_per_second(const std::string& kernel, Dtype, double batch_heads,
                                                    double seq_len, double head_dim) const;
-  // `op`: add | gelu | layer_norm; an op with no rows of its own uses add's.
+  // `op`: add | gelu | layer_norm | optimizer_step | host_adamw. gelu / layer_norm with no rows of
+  // their own use add's; optimizer_step and host_adamw use only their own (nullopt without).
   std::optional<double> elementwise_bytes_per_second(const std::string& op, Dtype, double bytes) const;
   std::optional<double> copy_bytes_per_second(const std::string& direction, double bytes) const;
   std::optional<double> bus_bandwidth(const std::string& collective, int ranks, double bytes) const;
@@ -95,6 +116,10 @@ struct DeviceProfile {
   // table does not cover it (the preset curve applies). `flash`: attention-core GEMMs run as one
   // fused kernel (their FLOPs at the flash rate); the fused-away softmax / dropout give nullopt.
   std::optional<double> kernel_seconds(const LayerOp&, Dtype, bool flash) const;
+  // Measured backward time of a (non-attention-core) GEMM LayerOp given by its forward shape:
+  // flops / dgrad rate + flops / wgrad rate, when both passes have rows for this dtype and both
+  // lookups answer; nullopt otherwise (the caller prices backward as 2x the forward kernel).
+  std::optional<double> backward_gemm_seconds(const LayerOp&, Dtype) const;
   // Measured efficiency (achieved / peak FLOP/s) of a GEMM or attention LayerOp.
   std::optional<double> efficiency(const LayerOp&, Dtype, bool flash, double peak_flops) const;
 };

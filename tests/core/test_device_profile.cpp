@@ -244,3 +244,222 @@ TEST_CASE("cluster.device_profile: scenario key, to_yaml, the estimator uses it,
   CHECK_THAT(config_error([&] { DeviceModel d(broken); }), Catch::Matchers::Contains("cannot open device profile 'no/such/profile.yaml'"));
   std::filesystem::remove(path);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Backward GEMM layouts (dgrad / wgrad), the optimizer step and the host AdamW.
+
+namespace {
+
+GemmPoint gemm_row(GemmPass pass, double m, double n, double k, double rate) {
+  GemmPoint g;
+  g.op = "mlp_up";
+  g.dtype = Dtype::bf16;
+  g.pass = pass;
+  g.m = m, g.n = n, g.k = k;
+  g.flops_per_second = rate;
+  return g;
+}
+
+BandwidthPoint bw_row(const std::string& op, Dtype dtype, double bytes, double rate) {
+  BandwidthPoint b;
+  b.op = op;
+  b.dtype = dtype;
+  b.bytes = bytes;
+  b.bytes_per_second = rate;
+  return b;
+}
+
+DeviceProfile base_profile() {
+  DeviceProfile p;
+  p.metadata.gpu = "Test GPU";
+  p.metadata.backend = "cuda";
+  p.metadata.date = "2026-01-01T00:00:00Z";
+  p.metadata.tool = "built in tests";
+  p.metadata.torch_version = "2.11.0";
+  return p;
+}
+
+// Forward / dgrad / wgrad rows at m = 1024, 2048, 4096 and n = k = 4096, each pass its own rates.
+const double kFwd[] = {2.0e14, 4.0e14, 6.0e14}, kDgrad[] = {1.5e14, 3.0e14, 5.0e14}, kWgrad[] = {1.0e14, 2.5e14, 4.0e14};
+
+DeviceProfile backward_profile(bool dgrad, bool wgrad) {
+  DeviceProfile p = base_profile();
+  const double ms[] = {1024, 2048, 4096};
+  for (int i = 0; i < 3; ++i) {
+    p.gemm.push_back(gemm_row(GemmPass::forward, ms[i], 4096, 4096, kFwd[i]));
+    if (dgrad) p.gemm.push_back(gemm_row(GemmPass::dgrad, ms[i], 4096, 4096, kDgrad[i]));
+    if (wgrad) p.gemm.push_back(gemm_row(GemmPass::wgrad, ms[i], 4096, 4096, kWgrad[i]));
+  }
+  return p;
+}
+
+ClusterSpec cluster_with(const std::string& name, const DeviceProfile& p) {
+  ClusterSpec c = load_scenario_from_string(dssim::test::tiny_yaml()).cluster;
+  c.device_profile = write_temp(name, to_yaml(p));
+  return c;
+}
+
+Instruction compute(Op op, int ops) {
+  Instruction in{};
+  in.op = op;
+  in.ops = ops;
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("gemm rows: pass parses, defaults to forward, round-trips; a bad pass names gemm[i].pass", "[profile]") {
+  using Catch::Matchers::Contains;
+  // gemm[1] becomes a dgrad row; a wgrad row and an explicit forward row are added to the table.
+  std::string yaml = with_line("dtype: bf16, m: 2048", "dtype: bf16, pass: dgrad, m: 2048");
+  yaml.insert(yaml.find("attention:\n"),
+              "  - {op: qkv, dtype: bf16, pass: wgrad, m: 1024, n: 8192, k: 4096, flops_per_second: 1.0e14}\n"
+              "  - {op: qkv, dtype: bf16, pass: forward, m: 4096, n: 8192, k: 4096, flops_per_second: 5.0e14}\n");
+  const DeviceProfile p = parse_device_profile(yaml, "b.yaml");
+  REQUIRE(p.gemm.size() == 8);
+  CHECK(p.gemm[0].pass == GemmPass::forward);  // no key: forward
+  CHECK(p.gemm[1].pass == GemmPass::dgrad);
+  CHECK(p.gemm[6].pass == GemmPass::wgrad);
+  CHECK(p.gemm[7].pass == GemmPass::forward);
+  const std::string out = to_yaml(p);
+  CHECK(out.find("pass: dgrad") != std::string::npos);
+  CHECK(out.find("pass: wgrad") != std::string::npos);
+  CHECK(out.find("pass: forward") == std::string::npos);  // written only when not forward
+  const DeviceProfile q = parse_device_profile(out, "round.yaml");
+  REQUIRE(q.gemm.size() == p.gemm.size());
+  for (size_t i = 0; i < p.gemm.size(); ++i) {
+    CHECK(q.gemm[i].pass == p.gemm[i].pass);
+    CHECK(q.gemm[i].m == p.gemm[i].m);
+    CHECK(q.gemm[i].flops_per_second == p.gemm[i].flops_per_second);
+  }
+  // Lookups see only their pass's rows: the dgrad row is no forward point any more.
+  CHECK(*p.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096, 1, GemmPass::dgrad) == 4.0e14);
+  CHECK_FALSE(p.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096, 1, GemmPass::wgrad));  // below the wgrad table (n)
+  CHECK(*p.gemm_flops_per_second(Dtype::bf16, 1024, 8192, 4096, 1, GemmPass::wgrad) == 1.0e14);
+  const double fwd = *p.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096);
+  CHECK(fwd > 2.0e14);  // between m = 1024 and 4096, interpolated without the dgrad row's 4e14 as a point
+  CHECK(fwd < 6.0e14);
+  CHECK(fwd == Approx(std::sqrt(2.0e14 * 6.0e14)));
+  CHECK(*p.gemm_flops_per_second(Dtype::bf16, 4096, 8192, 4096) == 5.0e14);
+  CHECK(std::string(to_string(GemmPass::wgrad)) == "wgrad");
+  // The summary lists the passes separately.
+  const std::string summary = device_profile_summary(p);
+  CHECK(summary.find("gemm dgrad bf16") != std::string::npos);
+  CHECK(summary.find("gemm wgrad bf16") != std::string::npos);
+
+  CHECK_THAT(config_error([] { parse_device_profile(with_line("dtype: bf16, m: 2048", "dtype: bf16, pass: backward, m: 2048"), "h.yaml"); }),
+             Contains("h.yaml: gemm[1].pass (line 10)") && Contains("expected one of forward, dgrad, wgrad, got 'backward'"));
+  CHECK_THAT(config_error([] { parse_device_profile(with_line("dtype: bf16, m: 2048", "dtype: bf16, pass: [dgrad], m: 2048"), "h.yaml"); }),
+             Contains("gemm[1].pass") && Contains("expected a string"));
+  CHECK_THAT(config_error([] { parse_device_profile(with_line("op: add, dtype: bf16, bytes: 1.0e6", "op: adam, dtype: bf16, bytes: 1.0e6"), "h.yaml"); }),
+             Contains("elementwise[0].op") && Contains("optimizer_step, host_adamw"));
+}
+
+TEST_CASE("Backward of a GEMM: dgrad + wgrad rows when both are measured, else 2x the forward", "[profile]") {
+  const DeviceModel both(cluster_with("dssim_test_profile_bwd.yaml", backward_profile(true, true)), Dtype::bf16);
+  const DeviceModel dgrad_only(cluster_with("dssim_test_profile_bwd_d.yaml", backward_profile(true, false)), Dtype::bf16);
+  const DeviceModel forward_only(cluster_with("dssim_test_profile_bwd_f.yaml", backward_profile(false, false)), Dtype::bf16);
+  REQUIRE(both.profile());
+  for (int i = 0; i < 3; ++i) {
+    const double m = 1024.0 * (1 << i);
+    Program prog;
+    prog.op_lists = {{gemm(m, 4096, 4096)}};
+    const LayerOp& op = prog.op_lists[0][0];
+    const double fwd = op.flops / kFwd[i];
+    CHECK(both.compute_seconds(prog, compute(Op::Forward, 0)) == fwd);
+    CHECK(both.compute_seconds(prog, compute(Op::Backward, 0)) == op.flops / kDgrad[i] + op.flops / kWgrad[i]);
+    CHECK(both.backward_gemm_seconds(op) == op.flops / kDgrad[i] + op.flops / kWgrad[i]);
+    CHECK(*both.profile()->backward_gemm_seconds(op, Dtype::bf16) == op.flops / kDgrad[i] + op.flops / kWgrad[i]);
+    // Half the passes measured, or none: 2x the (measured) forward kernel, as without backward rows.
+    CHECK(dgrad_only.compute_seconds(prog, compute(Op::Backward, 0)) == 2 * fwd);
+    CHECK(forward_only.compute_seconds(prog, compute(Op::Backward, 0)) == 2 * fwd);
+    CHECK_FALSE(dgrad_only.profile()->backward_gemm_seconds(op, Dtype::bf16));
+  }
+  // Looked up by the forward shape: a batched (MoE) GEMM as m * batch rows, between points log-linear.
+  LayerOp batched = gemm(1024, 4096, 4096);
+  batched.batch = 2;
+  batched.flops *= 2;
+  CHECK(both.backward_gemm_seconds(batched) == batched.flops / kDgrad[1] + batched.flops / kWgrad[1]);
+  const LayerOp mid = gemm(std::sqrt(2048.0 * 4096.0), 4096, 4096);
+  CHECK(both.backward_gemm_seconds(mid) ==
+        Approx(mid.flops / std::sqrt(kDgrad[1] * kDgrad[2]) + mid.flops / std::sqrt(kWgrad[1] * kWgrad[2])).epsilon(1e-12));
+  // Outside the table (below it, or another dtype): 2x the preset forward kernel.
+  const LayerOp small = gemm(256, 4096, 4096);
+  CHECK(both.backward_gemm_seconds(small) == 2 * both.kernel_seconds(small));
+  CHECK_FALSE(both.profile()->backward_gemm_seconds(gemm(2048, 4096, 4096), Dtype::fp16));
+
+  // Attention-core GEMMs keep their rules: flash 2.5x the forward; unfused 2x, not the dgrad/wgrad rows.
+  Program att;
+  LayerOp scores = gemm(1024, 4096, 4096);
+  scores.name = "attention_scores";
+  scores.attention_core = true;
+  scores.batch = 2;
+  scores.flops *= 2;
+  att.op_lists = {{scores}};
+  CHECK(both.compute_seconds(att, compute(Op::Backward, 0)) == 2.5 * both.kernel_seconds(scores));
+  const DeviceModel unfused(cluster_with("dssim_test_profile_bwd_u.yaml", backward_profile(true, true)), Dtype::bf16,
+                            Recompute::none, /*flash_attention=*/false);
+  CHECK(unfused.kernel_seconds(scores) == scores.flops / kFwd[1]);
+  CHECK(unfused.compute_seconds(att, compute(Op::Backward, 0)) == 2 * scores.flops / kFwd[1]);
+  CHECK_FALSE(both.profile()->backward_gemm_seconds(scores, Dtype::bf16));
+  for (const char* f : {"dssim_test_profile_bwd.yaml", "dssim_test_profile_bwd_d.yaml", "dssim_test_profile_bwd_f.yaml",
+                        "dssim_test_profile_bwd_u.yaml"})
+    std::filesystem::remove(std::filesystem::temp_directory_path() / f);
+}
+
+TEST_CASE("optimizer_step rows time the OptimizerStep as memory_bytes / rate; host_adamw rows the host step", "[profile]") {
+  DeviceProfile p = base_profile();
+  p.elementwise = {bw_row("add", Dtype::bf16, 1.0e6, 1.0e12), bw_row("add", Dtype::bf16, 1.0e10, 4.0e12)};
+  const ClusterSpec add_only = cluster_with("dssim_test_profile_opt_add.yaml", p);
+  p.elementwise.push_back(bw_row("optimizer_step", Dtype::bf16, 5.0e7, 1.0e12));
+  p.elementwise.push_back(bw_row("optimizer_step", Dtype::bf16, 5.0e8, 2.0e12));
+  p.elementwise.push_back(bw_row("optimizer_step", Dtype::bf16, 5.0e9, 3.0e12));
+  const ClusterSpec with_opt = cluster_with("dssim_test_profile_opt.yaml", p);
+  p.elementwise.push_back(bw_row("host_adamw", Dtype::fp32, 3.0e8, 2.0e10));
+  p.elementwise.push_back(bw_row("host_adamw", Dtype::fp32, 3.0e9, 4.0e10));
+  const ClusterSpec with_host = cluster_with("dssim_test_profile_host.yaml", p);
+
+  ClusterSpec none = add_only;
+  none.device_profile.clear();
+  const DeviceModel preset(none, Dtype::bf16), adds(add_only, Dtype::bf16), opt(with_opt, Dtype::bf16),
+      host(with_host, Dtype::bf16);
+  const Program prog;
+  Instruction step = compute(Op::OptimizerStep, -1);
+  step.flops = 16 * 1.0e7;
+  for (double bytes : {5.0e7, 5.0e8, 5.0e9}) {
+    step.memory_bytes = bytes;
+    const double rate = bytes == 5.0e7 ? 1.0e12 : bytes == 5.0e8 ? 2.0e12 : 3.0e12;
+    CHECK(opt.compute_seconds(prog, step) == bytes / rate);
+    // No optimizer_step rows: the roofline, even though add rows exist (no stand-in).
+    CHECK(adds.compute_seconds(prog, step) == preset.compute_seconds(prog, step));
+    CHECK(opt.compute_seconds(prog, step) != preset.compute_seconds(prog, step));
+  }
+  CHECK_FALSE(opt.profile()->elementwise_bytes_per_second("optimizer_step", Dtype::bf16, 1.0e6));  // below the table
+  CHECK_FALSE(adds.profile()->elementwise_bytes_per_second("optimizer_step", Dtype::bf16, 5.0e8));
+  CHECK_FALSE(adds.profile()->elementwise_bytes_per_second("host_adamw", Dtype::fp32, 3.0e9));
+  CHECK(*adds.profile()->elementwise_bytes_per_second("gelu", Dtype::bf16, 1.0e10) == 4.0e12);  // gelu still falls back
+  step.memory_bytes = 1.0e6;
+  CHECK(opt.compute_seconds(prog, step) == preset.compute_seconds(prog, step));
+  step.memory_bytes = 5.0e10;  // above the table: the largest size's rate
+  CHECK(opt.compute_seconds(prog, step) == 5.0e10 / 3.0e12);
+  // Another training dtype: the bf16 rows stand in (bandwidth hardly depends on it).
+  const DeviceModel opt32(with_opt, Dtype::fp32);
+  step.memory_bytes = 5.0e8;
+  CHECK(opt32.compute_seconds(prog, step) == 5.0e8 / 2.0e12);
+
+  // Host AdamW: the node's GPUs share the host that one calibration process used whole.
+  Instruction h = compute(Op::HostOptimizerStep, -1);
+  h.stream = Stream::Host;
+  const int gpus = with_host.gpus_per_node;
+  REQUIRE(gpus == 2);
+  h.memory_bytes = 3.0e9;
+  CHECK(host.host_seconds(h) == 3.0e9 / 4.0e10 * gpus);
+  h.memory_bytes = 3.0e8;
+  CHECK(host.host_seconds(h) == 3.0e8 / 2.0e10 * gpus);
+  const double formula = 3.0e8 / (none.host_memory_bandwidth / gpus);
+  CHECK(preset.host_seconds(h) == formula);
+  CHECK(opt.host_seconds(h) == formula);  // no host_adamw rows: the bandwidth formula
+  CHECK(host.host_seconds(h) != formula);
+  for (const char* f : {"dssim_test_profile_opt_add.yaml", "dssim_test_profile_opt.yaml", "dssim_test_profile_host.yaml"})
+    std::filesystem::remove(std::filesystem::temp_directory_path() / f);
+}
