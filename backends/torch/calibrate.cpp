@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 #include <tuple>
+#include "backends/torch/optimizer_kernels.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 #if defined(DSSIM_TORCH_CUDA)
@@ -106,6 +107,8 @@ struct Grid {
   std::vector<int> hidden, tokens, tp;
   std::vector<int> seq, head_dim, batch_heads;
   std::vector<int64_t> elements;   // elementwise tensor sizes
+  std::vector<int64_t> optimizer;  // parameters of the optimizer step (flat shards)
+  std::vector<int64_t> host_adamw; // parameters of the host AdamW (CPU offload)
   std::vector<int64_t> copy_bytes;
   std::vector<int64_t> collective_bytes;
 };
@@ -120,6 +123,8 @@ Grid grid(bool cuda, bool quick) {
     g.head_dim = {16, 64};
     g.batch_heads = {4, 16};
     g.elements = {1 << 10, 1 << 14, 1 << 18};
+    g.optimizer = {1 << 12, 1 << 16};
+    g.host_adamw = {1 << 12, 1 << 16};
     g.copy_bytes = {1 << 16, 1 << 20};
     g.collective_bytes = {1 << 20, 1 << 24};
   } else if (cuda) {
@@ -131,6 +136,10 @@ Grid grid(bool cuda, bool quick) {
     g.head_dim = {64, 128};
     g.batch_heads = {8, 32, 128};
     for (int e = 16; e <= 28; e += 2) g.elements.push_back(int64_t(1) << e);
+    // Shards of 4M .. 512M parameters (0.2 .. 27 GB of step traffic); the host: 4M .. 128M.
+    for (int e = 22; e <= 28; e += 2) g.optimizer.push_back(int64_t(1) << e);
+    g.optimizer.push_back(int64_t(1) << 29);
+    for (int e = 22; e <= 27; ++e) g.host_adamw.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.copy_bytes.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.collective_bytes.push_back(int64_t(1) << e);
   } else {  // a full CPU calibration: small transformer sizes
@@ -141,6 +150,8 @@ Grid grid(bool cuda, bool quick) {
     g.head_dim = {64};
     g.batch_heads = {4, 16};
     for (int e = 12; e <= 24; e += 3) g.elements.push_back(int64_t(1) << e);
+    for (int e = 16; e <= 22; e += 2) g.optimizer.push_back(int64_t(1) << e);
+    for (int e = 16; e <= 24; e += 2) g.host_adamw.push_back(int64_t(1) << e);
   }
   return g;
 }
@@ -177,28 +188,60 @@ std::string fmt(double v, const char* unit) {
   return s.str();
 }
 
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Per shape (m tokens, n out, k in) the three GEMMs of a linear layer, as PyTorch runs them:
+//   forward y[m x n] = x[m x k] W^T     at::mm_out(y, x, w.t())   (W row-major [n x k])
+//   dgrad   dX[m x k] = dY[m x n] W     at::mm_out(dx, dy, w)
+//   wgrad   dW[n x k] = dY^T[n x m] X   at::mm_out(dw, dy.t(), x)
+// All three rows keep the forward (m, n, k); each does 2mnk FLOPs. The backward passes get half
+// the timing budget of a point (about 470 shapes on the full cuda grid: they stay within ~30 s).
 void measure_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
   const auto shapes = transformer_gemms(g);
+  const double backward_budget = o.seconds_per_point / 2;
   for (Dtype dtype : o.dtypes) {
     const auto t0 = Clock::now();
     const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
-    double best = 0;
+    double best[3] = {0, 0, 0};
+    double forward_seconds = 0;
+    std::vector<double> ratio;  // (dgrad + wgrad) / (2 forward) per shape
     for (const auto& s : shapes) {
+      auto record = [&](GemmPass pass, double sec) {
+        GemmPoint pt;
+        pt.op = s.op;
+        pt.dtype = dtype;
+        pt.pass = pass;
+        pt.m = double(s.m), pt.n = double(s.n), pt.k = double(s.k);
+        pt.seconds = sec;
+        pt.flops_per_second = 2.0 * pt.m * pt.n * pt.k / sec;
+        double& b = best[static_cast<int>(pass)];
+        b = std::max(b, pt.flops_per_second);
+        p.gemm.push_back(pt);
+      };
       // y = x W^T, as a linear layer runs it (cuBLAS picks its kernel for the transposed operand).
       at::Tensor x = at::randn({s.m, s.k}, opts), w = at::randn({s.n, s.k}, opts), y = at::empty({s.m, s.n}, opts);
       at::Tensor wt = w.t();
-      const double sec = timer.measure([&] { at::mm_out(y, x, wt); }, o.seconds_per_point);
-      GemmPoint pt;
-      pt.op = s.op;
-      pt.dtype = dtype;
-      pt.m = double(s.m), pt.n = double(s.n), pt.k = double(s.k);
-      pt.seconds = sec;
-      pt.flops_per_second = 2.0 * pt.m * pt.n * pt.k / sec;
-      best = std::max(best, pt.flops_per_second);
-      p.gemm.push_back(pt);
+      const auto tf = Clock::now();
+      const double fwd = timer.measure([&] { at::mm_out(y, x, wt); }, o.seconds_per_point);
+      forward_seconds += seconds_since(tf);
+      record(GemmPass::forward, fwd);
+      // Backward of the same layer; the forward's output stands in for dY.
+      at::Tensor dx = at::empty({s.m, s.k}, opts), dw = at::empty({s.n, s.k}, opts);
+      at::Tensor dyt = y.t();
+      const double dgrad = timer.measure([&] { at::mm_out(dx, y, w); }, backward_budget);
+      record(GemmPass::dgrad, dgrad);
+      const double wgrad = timer.measure([&] { at::mm_out(dw, dyt, x); }, backward_budget);
+      record(GemmPass::wgrad, wgrad);
+      ratio.push_back((dgrad + wgrad) / (2 * fwd));
     }
+    std::sort(ratio.begin(), ratio.end());
+    const double total = seconds_since(t0);
     say(o, "gemm " + std::string(to_string(dtype)) + ": " + std::to_string(shapes.size()) + " shapes, best " +
-               fmt(best / 1e12, "TFLOP/s") + " (" + fmt(std::chrono::duration<double>(Clock::now() - t0).count(), "s") + ")");
+               fmt(best[0] / 1e12, "TFLOP/s") + " (" + fmt(forward_seconds, "s") + ")");
+    say(o, "gemm " + std::string(to_string(dtype)) + " backward (dgrad dX = dY W, wgrad dW = dY^T X): best " +
+               fmt(best[1] / 1e12, "TFLOP/s") + " dgrad, " + fmt(best[2] / 1e12, "TFLOP/s") +
+               " wgrad; (dgrad + wgrad) / 2 forward: median " + fmt(ratio.empty() ? 0.0 : ratio[ratio.size() / 2], "") +
+               "(" + fmt(total - forward_seconds, "s") + ")");
   }
 }
 
@@ -274,6 +317,82 @@ void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Dev
     say(o, "elementwise " + std::string(to_string(dtype)) + ": add, gelu, layer_norm over " + std::to_string(g.elements.size()) +
                " sizes, best " + fmt(best / 1e9, "GB/s"));
   }
+}
+
+// The engine's optimizer step, per parameter of a flat shard (backends/torch/optimizer_kernels.hpp):
+// fold g32 += g16, g16 = 0; fused AdamW (adamw_step with a step tensor); g32 = 0; publish
+// p16 = p32. Rows `optimizer_step`, bytes = kStepBytesPerParam16 (50) x N. The 16-bit dtype is
+// each 16-bit calibrated dtype (bf16 when only fp32 is calibrated). Moments and gradients start
+// at zero: the timing does not depend on the values, and decaying moments cannot turn denormal
+// (slow on CPUs).
+void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  std::vector<Dtype> half;
+  for (Dtype d : o.dtypes)
+    if (d != Dtype::fp32) half.push_back(d);
+  if (half.empty()) half.push_back(Dtype::bf16);
+  const AdamWHyper h;
+  for (Dtype dtype : half) {
+    const auto t0 = Clock::now();
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    const auto f16 = f32.dtype(scalar_type(dtype));
+    double best = 0;
+    for (int64_t n : g.optimizer) {
+      at::Tensor p32 = at::randn({n}, f32), g32 = at::zeros({n}, f32), m = at::zeros({n}, f32), v = at::zeros({n}, f32);
+      at::Tensor p16 = at::empty({n}, f16), g16 = at::zeros({n}, f16);
+      at::Tensor step_tensor;
+      int64_t step = 0;
+      const double sec = timer.measure([&] {
+        g32.add_(g16);  // fold
+        g16.zero_();
+        adamw_step(p32, g32, m, v, ++step, h, &step_tensor);
+        g32.zero_();    // clear
+        p16.copy_(p32); // publish
+      }, o.seconds_per_point);
+      BandwidthPoint r;
+      r.op = "optimizer_step";
+      r.dtype = dtype;
+      r.bytes = kStepBytesPerParam16 * double(n);
+      r.bytes_per_second = r.bytes / sec;
+      best = std::max(best, r.bytes_per_second);
+      p.elementwise.push_back(r);
+    }
+    say(o, "optimizer step " + std::string(to_string(dtype)) + " (fold + fused AdamW + clear + publish, " +
+               fmt(kStepBytesPerParam16, "bytes/param") + "): " + std::to_string(g.optimizer.size()) + " sizes up to " +
+               fmt(double(g.optimizer.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
+               fmt(best / kStepBytesPerParam16 / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");
+  }
+}
+
+// CPU offload's optimizer: adamw_step on host fp32 tensors (p, g, m, v) writing the updated
+// weights as bf16 (out16), one process over all the host's threads. Rows `host_adamw`, dtype fp32,
+// bytes = 30 x N (read p, g, m, v: 16; write p, m, v: 12; the bf16 copy: 2).
+constexpr double kHostAdamWBytesPerParam = 30;
+
+void measure_host_adamw(const CalibrateOptions& o, const Grid& g, DeviceProfile& p, const std::string& cpu) {
+  const auto t0 = Clock::now();
+  Timer timer{at::Device(at::kCPU)};
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const AdamWHyper h;
+  double best = 0;
+  for (int64_t n : g.host_adamw) {
+    at::Tensor p32 = at::full({n}, 1.0, f32), g32 = at::full({n}, 1e-3, f32), m = at::zeros({n}, f32), v = at::zeros({n}, f32);
+    at::Tensor out16 = at::empty({n}, f32.dtype(at::kBFloat16));
+    int64_t step = 0;
+    const double sec = timer.measure([&] { adamw_step(p32, g32, m, v, ++step, h, nullptr, &out16); }, o.seconds_per_point);
+    BandwidthPoint r;
+    r.op = "host_adamw";
+    r.dtype = Dtype::fp32;
+    r.bytes = kHostAdamWBytesPerParam * double(n);
+    r.bytes_per_second = r.bytes / sec;
+    best = std::max(best, r.bytes_per_second);
+    p.elementwise.push_back(r);
+  }
+  const int nthreads = at::get_num_threads();
+  const std::string threads = std::to_string(nthreads) + (nthreads == 1 ? " thread" : " threads");
+  p.metadata.notes.push_back("host_adamw: adamw_step on host fp32 tensors + bf16 copy, one process, " + threads + " on " + cpu);
+  say(o, "host adamw (" + cpu + ", " + threads + ", 30 bytes/param): " + std::to_string(g.host_adamw.size()) +
+             " sizes up to " + fmt(double(g.host_adamw.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
+             fmt(best / kHostAdamWBytesPerParam / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");
 }
 
 void measure_copies(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
@@ -452,6 +571,8 @@ DeviceProfile calibrate(const CalibrateOptions& in) {
   measure_gemms(o, g, dev, timer, p);
   measure_attention(o, g, dev, timer, p);
   measure_elementwise(o, g, dev, timer, p);
+  measure_optimizer_step(o, g, dev, timer, p);
+  measure_host_adamw(o, g, p, cpu_name());
   measure_copies(o, g, dev, timer, p);
   if (!cuda || ngpus < 2 || !o.collectives) {
     const std::string why = !cuda ? "cpu backend" : ngpus < 2 ? "one GPU visible" : "--no-collectives";

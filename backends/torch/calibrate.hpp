@@ -1,9 +1,12 @@
 // `dssim calibrate`: measures the device it runs on with libtorch and returns a DeviceProfile
 // (core/device_profile.hpp) that the device model reads in place of the preset curves.
 // GEMMs of a transformer layer (QKV, attention projection, MLP up / down) over hidden sizes, token
-// counts and TP splits; attention (scaled_dot_product_attention where the libtorch has it, recorded
-// as "flash", and matmul-softmax-matmul, "plain"); add / gelu / layer_norm bandwidth; pinned
-// host <-> device copies; NCCL collectives when several GPUs are visible (nccl-tests bus bandwidth).
+// counts and TP splits, each in its forward (y = x W^T) and backward (dgrad dX = dY W, wgrad
+// dW = dY^T X) layout; attention (scaled_dot_product_attention where the libtorch has it, recorded
+// as "flash", and matmul-softmax-matmul, "plain"); add / gelu / layer_norm bandwidth; the engine's
+// optimizer step (backends/torch/optimizer_kernels.hpp) on the device and AdamW on the host (CPU
+// offload); pinned host <-> device copies; NCCL collectives when several GPUs are visible
+// (nccl-tests bus bandwidth).
 // Timing: CUDA events on the current stream (std::chrono on CPUs), warm-up, median of samples.
 #pragma once
 #include <functional>

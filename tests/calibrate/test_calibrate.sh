@@ -19,6 +19,14 @@ case "$CASE" in
     ls | grep -q '\.tmp\.' && fail "temporary file left behind"
     grep -q "wrote tmp.yaml" out || fail "no 'wrote' line"
     grep -qE "^gemm fp32 +[0-9]+" out || fail "summary lacks the gemm row"
+    for row in "gemm dgrad fp32" "gemm wgrad fp32" "optimizer_step bf16" "host_adamw fp32"; do
+      grep -qE "^$row +[0-9]+" out || fail "summary lacks the '$row' row"
+    done
+    grep -qE "^calibrate: gemm fp32 backward .*dgrad.*wgrad" err || fail "no progress line for the backward gemms"
+    grep -qE "^calibrate: optimizer step bf16 .*GB/s" err || fail "no progress line for the optimizer step"
+    grep -qE "^calibrate: host adamw .*GB/s" err || fail "no progress line for the host adamw"
+    grep -qE "pass: dgrad" tmp.yaml && grep -qE "pass: wgrad" tmp.yaml || fail "no dgrad / wgrad rows in the profile"
+    grep -qE "op: optimizer_step" tmp.yaml && grep -qE "op: host_adamw" tmp.yaml || fail "no optimizer_step / host_adamw rows"
     run "$CHECK" tmp.yaml --expect-backend cpu
     expect_rc 0
     # The tiny scenario (fp32) with and without the profile, through the analytic estimator.
