@@ -64,7 +64,10 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   const double sbh = s * b * h;
   const double sp_div = sequence_parallel ? t : 1.0;
   if (r == Recompute::full) return 2 * sc * sbh / sp_div;  // only the layer input is kept
-  const double replicated = (8 * sc + 2) * sbh / sp_div;
+  // Dropout masks (1 byte): after the attention projection and after the MLP. LayerNorm keeps its
+  // fp32 mean and 1/std per token (2 LayerNorms x 8 bytes), which Korthikanti leaves out.
+  const double masks = m.has_dropout() ? 2 : 0;
+  const double replicated = (8 * sc + masks) * sbh / sp_div + 16 * s * b / sp_div;
   double split = 8 * sc * sbh / t;
   if (moe_layer && m.is_moe()) {
     const double routed = s * b * m.top_k * m.capacity_factor / t;
@@ -72,10 +75,12 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   } else {
     split += 4 * sc * s * b * f / t;
   }
-  // Flash attention keeps only its output (counted above) and the fp32 row log-sum-exp.
+  // Flash attention keeps only its output (counted above) and the fp32 row log-sum-exp. Unfused:
+  // the softmax output, and with dropout its mask (1 byte) and the dropped-out probabilities.
+  const double unfused_core = m.has_dropout() ? (4 * sc + 1) : 2 * sc;
   const double core = m.flash_attention         ? 4.0 * a * s * b / t
                       : r == Recompute::selective ? 0
-                                                  : (4 * sc + 1) * a * s * s * b / t;
+                                                  : unfused_core * a * s * s * b / t;
   return replicated + split + core;
 }
 
@@ -196,6 +201,9 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Parameters [Z]: full copy for stages 0-2; stage 3 keeps its shard plus what is gathered.
   if (zstage < 3) {
     mb.params = pb * psi;
+  } else if (dp == 1 && !z.offload_param) {
+    // One rank: each layer's partition is the whole layer, gathered in place (nothing to gather).
+    mb.params = pb * shard;
   } else {
     // [DS stage3] a module is all-gathered before its forward/backward; the coordinator prefetches
     // further modules up to prefetch_bucket_size elements, never holding more than
@@ -210,15 +218,19 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
 
   // Gradients [Z]: full for stages 0-1, partitioned for 2-3. With optimizer offload (stage >= 2)
   // each reduced partition goes straight to the host fp32 gradient buffer [ZO].
+  // dssim's ZeRO-3 engine keeps no 16-bit gradients between layers: each layer group's are reduced
+  // (or folded) into the fp32 buffer after its backward (see temporaries).
   if (zstage < 2)
     mb.grads = gb * psi;
-  else
+  else if (zstage == 2)
     mb.grads = z.offload_optimizer ? 0 : gb * shard;
-  // [DS bf16_optimizer.py] bf16 with ZeRO 0/1 runs DeepSpeed's BF16_Optimizer, which accumulates
-  // gradients in a persistent fp32 flat buffer (grad_acc_dtype fp32) besides the bf16 ones; the
-  // torch backend does the same. Then the step needs no fp32 gradient copy.
-  const bool bf16_fp32_accumulation = sc.precision.dtype == Dtype::bf16 && zstage < 2 && !z.offload_optimizer;
-  if (bf16_fp32_accumulation) mb.grads += 4 * psi;
+  // [DS bf16_optimizer.py] DeepSpeed's BF16_Optimizer (bf16, ZeRO 0/1) keeps a persistent fp32
+  // gradient buffer (grad_acc_dtype fp32) besides the 16-bit gradients; dssim's torch engine does
+  // so for every 16-bit dtype at stages 0, 1 and 3, for the rank's optimizer shard (the reduced
+  // gradients land there), and then the step needs no fp32 gradient copy. Stage 2 (DeepSpeed's
+  // ZeRO optimizer) makes the fp32 copy of the partition at the step instead.
+  const bool fp32_grad_buffer = mixed && zstage != 2 && !z.offload_optimizer;
+  if (fp32_grad_buffer) mb.grads += 4 * opt_elems;
 
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
@@ -244,23 +256,25 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
                                                   is_moe_layer(m, i), sc.precision.dtype);
   const double in_flight = in_flight_micro_batches(pp, stage, par.interleave, micro_batches_of(sc));
   // [K] 4.3: the embedding dropout mask (1 byte) of every in-flight micro-batch on stage 0.
-  if (stage == 0) per_micro_batch += s * b * h / sp_div;
+  if (stage == 0 && m.has_dropout()) per_micro_batch += s * b * h / sp_div;
   mb.activations = per_micro_batch * in_flight;
   // [K] 4.3: the last stage keeps the final LayerNorm input and the output-layer input (4 s b h / t
   // with SP) of the one micro-batch whose backward follows its forward.
   if (stage == pp - 1) mb.activations += 4 * sc2 * s * b * h / sp_div;
 
-  // Communication buffers.
+  // Communication buffers (none for data parallelism on one rank: nothing is reduced or gathered).
   // [DS stage_1_and_2 / stage3] ipg gradient bucket of reduce_bucket_size elements, double-buffered
   // with overlap_comm; stage 0's engine flattens gradients in buckets of the same size (one at a time).
   const double reduce_bucket = std::min(static_cast<double>(z.reduce_bucket_size), psi);
-  if (zstage == 0)
-    mb.comm_buffers += gb * reduce_bucket;
-  else
-    mb.comm_buffers += gb * reduce_bucket * (z.overlap_comm ? 2 : 1);
-  // [DS stage_1_and_2] the updated 16-bit partitions are all-gathered in allgather_bucket_size chunks.
-  if (zstage == 1 || zstage == 2)
-    mb.comm_buffers += pb * std::min(static_cast<double>(z.allgather_bucket_size), psi);
+  if (dp > 1) {
+    if (zstage == 0)
+      mb.comm_buffers += gb * reduce_bucket;
+    else
+      mb.comm_buffers += gb * reduce_bucket * (z.overlap_comm ? 2 : 1);
+    // [DS stage_1_and_2] the updated 16-bit partitions are all-gathered in allgather_bucket_size chunks.
+    if (zstage == 1 || zstage == 2)
+      mb.comm_buffers += pb * std::min(static_cast<double>(z.allgather_bucket_size), psi);
+  }
   // [M] pipeline p2p: receive buffers for the forward activation and the backward gradient of one
   // micro-batch, s b h (/t with the scatter-gather optimisation under SP).
   if (pp > 1) mb.comm_buffers += 2 * pb * s * b * h / sp_div;
@@ -268,8 +282,17 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Temporaries: the largest transient of the backward phase, or of the optimizer step, whichever
   // raises the peak more (activations are freed before the step).
   double backward_transient = 0;
-  // [M] vocab-parallel cross-entropy casts the logits to fp32: 4 b s V / t on the last stage.
-  if (stage == pp - 1) backward_transient = 4.0 * b * s * v / t;
+  // Cross-entropy on fp32 logits (PyTorch's, as dssim's engine runs it): its backward holds the
+  // saved log-softmax, the incoming gradient and the input gradient at once, 3 x 4 b s V / t on
+  // the last stage, on top of every activation of the micro-batch (its backward comes first).
+  // (Megatron's fused vocab-parallel cross-entropy works in place: about 1 x 4 b s V / t.)
+  if (stage == pp - 1) backward_transient = 12.0 * b * s * v / t;
+  // ZeRO-3: the 16-bit gradients of the layer groups in backward at once, before the reduce-scatter
+  // (or, on one rank, the fold into the fp32 buffer) frees them: at the head's backward, the last
+  // layer's group and the tied embedding's (the largest module and two layers); with a
+  // reduce-scatter in flight, its input copy too.
+  if (zstage == 3)
+    backward_transient += gb * (sp.largest_module + 2 * dense_layer_params(m) / t) * (dp > 1 ? 2 : 1);
   // Recompute working set: the layer being recomputed materialises its full activations (full) or
   // its attention core (selective) for one micro-batch.
   if (sc.recompute != Recompute::none) {
@@ -282,7 +305,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   }
   // [DS] the step runs on an fp32 copy of the (partitioned) gradients when they are 16-bit and the
   // optimizer is on the GPU.
-  const double step_transient = (mixed && !z.offload_optimizer && !bf16_fp32_accumulation) ? 4 * opt_elems : 0;
+  const double step_transient = (mixed && !z.offload_optimizer && !fp32_grad_buffer) ? 4 * opt_elems : 0;
   mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
   return mb;
 }

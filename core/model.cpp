@@ -142,8 +142,10 @@ LayerOp layernorm_op(const std::string& name, double tokens, double h, double e)
   return op;
 }
 
-// dropout(x) + residual: read x and the residual, write the sum and the mask.
-LayerOp dropout_residual_op(const std::string& name, double tokens, double h, double e) {
+// dropout(x) + residual: read x and the residual, write the sum and the mask; without dropout
+// the residual add alone (no mask).
+LayerOp dropout_residual_op(const std::string& name, double tokens, double h, double e, bool dropout) {
+  if (!dropout) return elementwise_op("residual" + name.substr(name.size() - 2), tokens * h, 1, 3 * e);
   return elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement);
 }
 
@@ -168,11 +170,11 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   ops.push_back(gemm_op("qkv", 1, tokens, 3 * h / t, h, e));
   ops.push_back(gemm_op("attention_scores", b * local_heads, s, s, head_dim, e, true));
   ops.push_back(elementwise_op("softmax", score_elements, kSoftmaxFlopsPerElement, 2 * e, true));
-  ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement,
-                               true));
+  if (m.has_dropout())
+    ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement, true));
   ops.push_back(gemm_op("attention_over_v", b * local_heads, s, head_dim, s, e, true));
   ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
-  ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e));
+  ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e, m.has_dropout()));
   ops.push_back(layernorm_op("layernorm_2", norm_tokens, h, e));
 
   if (!shape.moe || !m.is_moe()) {
@@ -198,7 +200,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
     ops.push_back(elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e));  // weighted gather back
   }
-  ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e));
+  ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e, m.has_dropout()));
   return ops;
 }
 
@@ -215,7 +217,8 @@ std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape&
   LayerOp lookup = elementwise_op("embedding_lookup", tokens * h, 1, 3 * e);
   lookup.memory_bytes += tokens * 8;
   ops.push_back(lookup);
-  ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
+  if (m.has_dropout())
+    ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
   return ops;
 }
 

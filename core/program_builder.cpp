@@ -34,10 +34,16 @@ namespace dssim {
 namespace {
 
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
-// Mixed-precision Adam on one parameter: ~16 FLOPs; HBM/host traffic: read fp32 param + 2 moments
-// (12 bytes) and the gradient, write them back and the 16-bit copy.
+// Mixed-precision Adam on one parameter: ~16 FLOPs. HBM traffic of the whole step per parameter of
+// the shard with g-byte gradients and compute copy (backends/torch/optimizer_kernels.hpp; as
+// DeepSpeed's BF16_Optimizer): fold the g-byte gradients into the fp32 buffer and zero them
+// (2g + 8), the fused AdamW pass (read fp32 param, gradient, 2 moments, write param and moments:
+// 28), clear the fp32 gradients (4), write the g-byte copy from the fp32 master (4 + g).
 constexpr double kAdamFlopsPerParam = 16;
-double adam_bytes_per_param(int g) { return 12 + 12 + 2.0 * g; }
+double device_step_bytes_per_param(int g) { return (2.0 * g + 8) + 28 + 4 + (4 + g); }
+// ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): the AdamW pass on host fp32
+// tensors, writing the g-byte copy for the device in the same pass.
+double host_step_bytes_per_param(int g) { return 28 + double(g); }
 
 struct Tensor {
   int64_t numel;
@@ -872,7 +878,7 @@ class Builder {
     if (sc_.zero.offload_optimizer) {
       Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);
       h.flops = shard * kAdamFlopsPerParam;
-      h.memory_bytes = shard * adam_bytes_per_param(4);  // fp32 gradients on the host
+      h.memory_bytes = shard * host_step_bytes_per_param(g_);  // fp32 gradients on the host
       const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, x.last_compute});
       Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
       up.bytes = shard * g_;
@@ -880,7 +886,7 @@ class Builder {
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
-      o.memory_bytes = shard * adam_bytes_per_param(g_);
+      o.memory_bytes = shard * device_step_bytes_per_param(g_);
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

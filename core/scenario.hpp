@@ -26,6 +26,11 @@ struct ModelSpec {
   // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
   // written to HBM and kept: Korthikanti's 5as/h activation term).
   bool flash_attention = true;
+  // Dropout probability of the hidden, attention and embedding dropouts (Megatron applies one
+  // value to all). 0 = none (modern LLM pre-training, and dssim's torch engine); > 0 keeps
+  // Korthikanti's 1-byte masks and runs the dropout kernels.
+  double dropout = 0.0;
+  bool has_dropout() const { return dropout > 0; }
   bool is_moe() const { return experts > 0; }
   int moe_layers() const { return is_moe() ? layers / moe_every : 0; }
 };

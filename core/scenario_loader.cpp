@@ -178,6 +178,7 @@ const std::vector<Field>& fields() {
     add("model.moe_every", [](Scenario& s, const Entry& e) { s.model.moe_every = get_int32(e, 1); });
     add("model.capacity_factor", [](Scenario& s, const Entry& e) { s.model.capacity_factor = get_positive(e, D::None); });
     add("model.tied_embeddings", [](Scenario& s, const Entry& e) { s.model.tied_embeddings = get_bool(e); });
+    add("model.dropout", [](Scenario& s, const Entry& e) { s.model.dropout = get_non_negative(e, D::None); });
     add("model.attention", [](Scenario& s, const Entry& e) {
       s.model.flash_attention = get_enum(e, {"flash", "unfused"}) == "flash";
     });
@@ -683,6 +684,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "moe_every" << YAML::Value << m.moe_every << YAML::Key << "capacity_factor" << YAML::Value << m.capacity_factor;
   y << YAML::Key << "tied_embeddings" << YAML::Value << m.tied_embeddings;
   y << YAML::Key << "attention" << YAML::Value << (m.flash_attention ? "flash" : "unfused");
+  y << YAML::Key << "dropout" << YAML::Value << m.dropout;
   y << YAML::EndMap;
   const auto& t = s.training;
   y << YAML::Key << "training" << YAML::Value << YAML::BeginMap;

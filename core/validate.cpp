@@ -135,6 +135,11 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << ")" << at("model.heads") << "; the head size hidden / heads must be an integer";
     fail();
   }
+  if (!(m.dropout >= 0 && m.dropout < 1)) {
+    o << "model.dropout (" << m.dropout << ")" << at("model.dropout")
+      << " is a probability: it must be in [0, 1); Megatron's GPT default is 0.1, 0 turns dropout off";
+    fail();
+  }
   if (m.experts < 0) c.non_negative("model.experts", m.experts);
   if (m.is_moe()) {
     if (m.top_k < 1 || m.top_k > m.experts) {

@@ -25,34 +25,50 @@ source "$ROOT/scripts/gpu_common.sh"
 gpu_build dssim_torch_run dssim_calibrate_run
 
 
+# The device returns at most 8 files from $OUT: one JSON per scenario, the profile, and one log
+# (the build's logs, every stderr and the calibration's output, in order).
+LOG="$OUT/log.txt"
+: > "$LOG"
+for f in gpu.txt cmake.log build.log; do
+  [[ -f "$OUT/$f" ]] && { echo "== $f"; cat "$OUT/$f"; } >> "$LOG" && rm -f "$OUT/$f"
+done
 for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
   [[ $MEASURE == 1 ]] || break
   name=$(basename "$f" .yaml)
   [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
+  steps=$STEPS warm=2
+  # A step of the offloaded 7B scenario runs AdamW over 6.7 B parameters on the host: fewer steps.
+  [[ "$name" == *offload* ]] && steps=$(( STEPS < 4 ? STEPS : 4 )) warm=1
   t1=$(date +%s)
-  if "$BUILD/dssim_torch_run" "$f" --backend cuda --nproc 1 --steps "$STEPS" --warmup 2 --json \
-       > "$OUT/$name.json" 2> "$OUT/$name.stderr"; then
+  echo "== $name (--steps $steps --warmup $warm)" >> "$LOG"
+  if "$BUILD/dssim_torch_run" "$f" --backend cuda --nproc 1 --steps "$steps" --warmup "$warm" --json \
+       > "$OUT/$name.json" 2> "$OUT/stderr.tmp"; then
     echo "$name: measured in $(( $(date +%s) - t1 )) s"
   else
-    echo "$name: FAILED ($(tail -1 "$OUT/$name.stderr"))"; rm -f "$OUT/$name.json"
+    echo "$name: FAILED ($(tail -1 "$OUT/stderr.tmp"))"; rm -f "$OUT/$name.json"
   fi
+  cat "$OUT/stderr.tmp" >> "$LOG"; rm -f "$OUT/stderr.tmp"
 done
 
 if [[ $CALIBRATE == 1 ]]; then
   t1=$(date +%s)
+  echo "== dssim calibrate" >> "$LOG"
   "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/${PROFILE_NAME:-h200.yaml}" "${CAL_ARGS[@]}" \
-      > "$OUT/calibrate.txt" 2> "$OUT/calibrate.stderr" \
-    || { echo "dssim calibrate failed"; tail -20 "$OUT/calibrate.stderr"; }
+      > "$OUT/calibrate.txt" 2> "$OUT/stderr.tmp" \
+    || { echo "dssim calibrate failed"; tail -20 "$OUT/stderr.tmp"; }
   echo "calibrated in $(( $(date +%s) - t1 )) s"
+  cat "$OUT/stderr.tmp" >> "$LOG"; rm -f "$OUT/stderr.tmp"
 fi
 
 echo
-[[ -f "$OUT/calibrate.txt" ]] && tail -15 "$OUT/calibrate.txt"
+if [[ -f "$OUT/calibrate.txt" ]]; then
+  tail -25 "$OUT/calibrate.txt"; { echo "== calibrate summary"; cat "$OUT/calibrate.txt"; } >> "$LOG"; rm -f "$OUT/calibrate.txt"
+fi
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
-print("%-28s %10s %10s %7s %9s" % ("scenario", "iter (s)", "tokens/s", "MFU", "peak GiB"))
+print("%-28s %10s %10s %7s %9s %9s" % ("scenario", "iter (s)", "tokens/s", "MFU", "peak GiB", "host GiB"))
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "h200_*.json"))):
     d = json.load(open(f)); t = d["throughput"]; m = d["extras"]["measured"]["memory_bytes"]
-    print("%-28s %10.3f %10.0f %6.1f%% %9.2f" % (os.path.basename(f)[:-5], t["iteration_seconds"],
-          t["tokens_per_second"], 100 * t["mfu"], m.get("peak", 0) / 2**30))
+    print("%-28s %10.3f %10.0f %6.1f%% %9.2f %9.2f" % (os.path.basename(f)[:-5], t["iteration_seconds"],
+          t["tokens_per_second"], 100 * t["mfu"], m.get("peak", 0) / 2**30, m.get("host_peak", 0) / 2**30))
 PY

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/loss_scaler.hpp"
+#include "backends/torch/optimizer_kernels.hpp"
 #include "backends/torch/torch_compat.hpp"
 #include "core/zero_partition.hpp"
 
@@ -103,7 +104,9 @@ class Engine {
     at::NoGradGuard ng;
     auto dev16 = at::TensorOptions().dtype(dtype_).device(dev_);
     auto st32 = at::TensorOptions().dtype(at::kFloat).device(state_device_);
-    if (offload_ && dev_.is_cuda()) st32 = st32.pinned_memory(true);
+    // Offloaded states stay pageable: the copies go through small pinned staging buffers
+    // (copy_gradients_to_host, host_step_and_publish), and the host allocator would round a
+    // pinned 27 GB tensor of a 7B shard up to 32 GB.
     int t = 0;
     for (int u = 0; u < cfg_.units(); ++u) {
       first_tensor_.push_back(t);
@@ -146,13 +149,22 @@ class Engine {
       }
       full16_.resize(G);
       gradg_.resize(G);
+      // One rank: a layer's partition is the whole layer (per-tensor ceil(n / 1) = n, no padding),
+      // so the gathered parameters are the shard itself rather than a second copy of it.
+      aliased_ = dp_ == 1 && !offload_param_;
       for (int g = 0; g < G; ++g) {
         auto full32 = at::zeros({part_.stage3_groups[g].numel}, dev16.dtype(at::kFloat));
         for (int u : group_units_[g])
           init_unit(cfg_, u, full32.narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), sc_.training.seed);
         master_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
             .copy_(full_to_shard(g, full32, rank_));
-        full16_[g] = full32.to(dtype_).clone();
+        if (aliased_) {
+          if (part_.stage3_groups[g].shard_numel != part_.stage3_groups[g].numel)
+            throw std::logic_error("ZeRO-3 on one rank: a layer's partition is not the whole layer");
+          full16_[g] = shard16_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].numel);
+        } else {
+          full16_[g] = full32.to(dtype_).clone();
+        }
         for (int u : group_units_[g])
           p16_[u] = leaves(full16_[g].narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), at::Tensor(), u);
       }
@@ -160,7 +172,8 @@ class Engine {
       gathered_.assign(G, true);
       grad_dirty_.assign(G, false);
       // Until the Program gathers them, stage-3 parameters are not resident.
-      for (int g = 0; g < G; ++g) release_group(g);
+      if (!aliased_)
+        for (int g = 0; g < G; ++g) release_group(g);
     }
     exp_avg_ = at::zeros_like(master_);
     exp_avg_sq_ = at::zeros_like(master_);
@@ -200,7 +213,7 @@ class Engine {
                                                : part_.numel - part_.offsets[ti];
   }
   void release_group(int g) {
-    if (stage_ < 3 || !gathered_[g]) return;
+    if (stage_ < 3 || aliased_ || !gathered_[g]) return;
     release_storage(full16_[g]);  // the units' leaves share this storage
     gathered_[g] = false;
   }
@@ -324,14 +337,19 @@ class Engine {
       prepare_grad(u);
       at::Tensor out = seg.output;
       if (checkpoint_activations_) {
+        // Timed on its own (the device is synchronised around it when measuring): the Program's
+        // Recompute instruction, run here, just before the layer's backward.
+        if (measuring_) sync();
         auto t0 = Clock::now();
         out = block_forward(cfg_, p, seg.input, recompute_attention_);
-        recompute_seconds_ += seconds_since(t0);
+        if (measuring_) sync();
+        inner_seconds_["recompute"] += seconds_since(t0);
       }
       torch::autograd::backward({out}, {grad});
       grad = seg.input.grad();
       mark_dirty(u);
       st.segments.pop_back();
+      if (l > 0) fold_group_now(group_of(u));
     }
     if (lb == 0) {
       auto& seg = st.segments.back();
@@ -340,9 +358,25 @@ class Engine {
       torch::autograd::backward({seg.output}, {grad});
       mark_dirty(0);
       st.segments.clear();
+      fold_group_now(group_of(0));
     } else {
       pending_grad_[mb] = grad;
     }
+  }
+
+  // ZeRO-3 on one rank has no reduce-scatter in the Program: a layer group's gradients go to the
+  // fp32 accumulator as soon as its backward is done (what the reduce-scatter would do), so at
+  // most one group's 16-bit gradients are alive, as with dp > 1.
+  // With the optimizer offloaded they go on to the host at once (DeepSpeed copies each reduced
+  // partition out in the backward hooks), timed as the Program's CopyD2H.
+  void fold_group_now(int g) {
+    if (stage_ != 3 || dp_ != 1 || !grad_dirty_[g]) return;
+    fold_local_bucket(g);
+    if (!offload_) return;
+    if (measuring_) sync();
+    auto t0 = Clock::now();
+    copy_gradients_to_host(g);
+    inner_seconds_["copy_d2h"] += seconds_since(t0);
   }
 
   void mark_dirty(int u) {
@@ -455,7 +489,14 @@ class Engine {
     if (it == d2h_pending_.end()) return;
     for (auto& [off, t] : it->second) {
       count_copy(Op::CopyD2H, Purpose::OffloadGradient, double(t.numel()) * elt16());
-      grad_acc_.narrow(0, off, t.numel()).add_(t.to(at::kCPU), scale_for_average());
+      at::Tensor host = t;
+      if (!t.is_cpu()) {  // through a pinned buffer: the copy runs at the bus's pinned rate
+        if (!d2h_staging_.defined() || d2h_staging_.numel() < t.numel())
+          d2h_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
+        host = d2h_staging_.narrow(0, 0, t.numel());
+        host.copy_(t);
+      }
+      host_accumulate(grad_acc_.narrow(0, off, t.numel()), host, scale_for_average());
     }
     d2h_pending_.erase(it);
   }
@@ -483,7 +524,7 @@ class Engine {
       fold_full(r, buf, k);
       buf.zero_();
     } else {
-      accumulate(k, group_shard_offset_[k], full_to_shard(k, gradg_[k], 0));
+      accumulate(k, group_shard_offset_[k], dp_ == 1 ? gradg_[k] : full_to_shard(k, gradg_[k], 0));
       drop_group_grad(k);
     }
     grad_dirty_[k] = false;
@@ -627,7 +668,7 @@ class Engine {
     // Needed for clipping and fp16 overflow detection only (it costs a pass and a host sync).
     double norm2 = 0;
     if (clip > 0 || fp16_ || inject) {
-      auto sumsq = grad_acc_.pow(2).sum().mul_(inv_scale * inv_scale).reshape({1});
+      auto sumsq = sum_of_squares(grad_acc_).mul_(inv_scale * inv_scale).reshape({1});
       if (stage_ >= 1 && dp_ > 1) comm_.allreduce(sumsq, Purpose::None)->wait();
       norm2 = sumsq.item<double>();
     }
@@ -651,29 +692,45 @@ class Engine {
     if (coef != 1.0) g.mul_(coef);
     adam_step_ += 1;
     const auto& opt = sc_.optimizer;
-    const double lr = opt.lr, b1 = opt.beta1, b2 = opt.beta2;
-#if DSSIM_TORCH_AT_LEAST(2, 4)
-    if (master_.is_cuda()) {
-      // torch.optim.AdamW(fused=True)'s kernel on the flat shard: one pass over p, g, m, v.
-      if (!adam_step_tensor_.defined()) adam_step_tensor_ = at::zeros({}, master_.options());
-      adam_step_tensor_.fill_(double(adam_step_));
-      std::vector<at::Tensor> ps{master_}, gs{g}, ms{exp_avg_}, vs{exp_avg_sq_}, none, steps{adam_step_tensor_};
-      at::_fused_adamw_(ps, gs, ms, vs, none, steps, lr, b1, b2, opt.weight_decay, opt.eps, false, false);
-    } else
-#endif
-    {
-      // torch.optim.AdamW, written out on the flat shard.
-      master_.mul_(1.0 - lr * opt.weight_decay);
-      exp_avg_.lerp_(g, 1.0 - b1);
-      exp_avg_sq_.mul_(b2).addcmul_(g, g, 1.0 - b2);
-      const double bc1 = 1.0 - std::pow(b1, double(adam_step_)), bc2 = 1.0 - std::pow(b2, double(adam_step_));
-      auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt.eps);
-      master_.addcdiv_(exp_avg_, denom, -lr / bc1);
-    }
+    const AdamWHyper hyper{opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay};
+    if (offload_) host_step_and_publish(g, hyper);
+    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_);
     grad_acc_.zero_();
     if (fp16_) scaler_.update(false);
-    if (offload_) publish_pending_ = true;  // the Program's CopyH2D brings it back
-    else publish_master();
+    if (!offload_) publish_master();
+  }
+
+  // Squared L2 norm in chunks: no full-size temporary (the offloaded shard of a 7B model is 27 GB).
+  static at::Tensor sum_of_squares(const at::Tensor& t) {
+    const int64_t n = t.numel(), chunk = int64_t(1) << 26;
+    at::Tensor acc = at::zeros({}, t.options().dtype(at::kDouble));
+    for (int64_t off = 0; off < n; off += chunk) acc += t.narrow(0, off, std::min(chunk, n - off)).to(at::kDouble).pow(2).sum();
+    return acc.to(at::kFloat);
+  }
+
+  // ZeRO-Offload's step on the host, chunk by chunk, each chunk's updated parameters written in
+  // the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam
+  // step-plus-copy): the Program's HostOptimizerStep and its CopyH2D, the copy timed as the latter.
+  void host_step_and_publish(const at::Tensor& g, const AdamWHyper& hyper) {
+    at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel)
+                                                          : shard16_;
+    const int64_t n = master_.numel(), chunk = std::min<int64_t>(n, int64_t(1) << 26);
+    const bool direct = dst.is_cpu();  // offload_param (or a CPU run): the 16-bit shard is on the host
+    const bool convert = dst.scalar_type() != at::kFloat;
+    if (!direct && !staging16_.defined())
+      staging16_ = at::empty({chunk}, dst.options().device(at::kCPU).pinned_memory(dst.is_cuda()));
+    for (int64_t off = 0; off < n; off += chunk) {
+      const int64_t c = std::min(chunk, n - off);
+      at::Tensor p = master_.narrow(0, off, c), m = exp_avg_.narrow(0, off, c), v = exp_avg_sq_.narrow(0, off, c);
+      at::Tensor out = direct ? dst.narrow(0, off, c) : staging16_.narrow(0, 0, c);
+      adamw_step(p, g.narrow(0, off, c), m, v, adam_step_, hyper, nullptr, convert ? &out : nullptr);
+      if (!convert) out.copy_(p);
+      if (direct) continue;
+      auto t0 = Clock::now();
+      dst.narrow(0, off, c).copy_(out);  // synchronous: the staging buffer is refilled next
+      inner_seconds_["copy_h2d"] += seconds_since(t0);
+    }
+    count_copy(Op::CopyH2D, Purpose::OffloadParam, double(n) * elt16());  // the Program's CopyH2D
   }
 
   void copy_d2h(const Instruction& in) {
@@ -694,11 +751,7 @@ class Engine {
       count_copy(Op::CopyH2D, Purpose::OffloadParam, double(grp.shard_numel) * elt16());
       return;
     }
-    // The updated shard back to the device after the host step.
-    if (!publish_pending_) return;
-    count_copy(Op::CopyH2D, Purpose::OffloadParam, double(master_.numel()) * elt16());
-    publish_master();
-    publish_pending_ = false;
+    // The updated shard came back to the device inside the host step (host_step_and_publish).
   }
 
   // The updated master shard -> this rank's 16-bit copy (the Program's all-gathers send the rest).
@@ -866,12 +919,17 @@ class Engine {
     }
   }
 
-  void execute(const RankProgram& rp) {
+  void execute(const RankProgram& rp, std::vector<EngineResult::MemoryPoint>* timeline) {
     for (pc_ = 0; pc_ < rp.instructions.size(); ++pc_) {
       const Instruction& in = rp.instructions[pc_];
       const bool timed = measuring_;
+      if (timeline) {
+        peak_seen_ = std::max(peak_seen_, cuda_peak_allocated_bytes(dev_));
+        cuda_reset_peak(dev_);
+      }
       auto t0 = Clock::now();
-      const double rc0 = recompute_seconds_, cw0 = comm_wait_seconds_;
+      const auto inner0 = inner_seconds_;
+      const double cw0 = comm_wait_seconds_;
       for (int rep = 0; rep < std::max(1, in.repeat); ++rep) {
         switch (in.op) {
           case Op::Forward: forward(in); after_use(in); break;
@@ -898,24 +956,39 @@ class Engine {
       if (timed) {
         sync();
         const double dt = seconds_since(t0);
-        const double rc = recompute_seconds_ - rc0, cw = comm_wait_seconds_ - cw0;
-        seconds_by_op_[to_string(in.op)] += dt - rc - cw;
-        if (rc > 0) seconds_by_op_["recompute"] += rc;
+        // Work the instruction ran on behalf of another kind (recompute inside Backward, the
+        // parameter copy inside the host step) is reported under that kind.
+        double inner = 0;
+        for (const auto& [kind, sec] : inner_seconds_) {
+          const auto it = inner0.find(kind);
+          const double d = sec - (it == inner0.end() ? 0.0 : it->second);
+          if (d > 0) seconds_by_op_[kind] += d, inner += d;
+        }
+        const double cw = comm_wait_seconds_ - cw0;
+        seconds_by_op_[to_string(in.op)] += dt - inner - cw;
         if (cw > 0) seconds_by_op_["dp_comm_wait"] += cw;
         if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D)
           expected_[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
       }
+      if (timeline) {
+        const double peak = cuda_peak_allocated_bytes(dev_);
+        peak_seen_ = std::max(peak_seen_, peak);
+        timeline->push_back({to_string(in.op), in.micro_batch, in.layer_begin, cuda_allocated_bytes(dev_), peak});
+      }
     }
   }
 
-  double peak_memory_bytes() {
-    const double cuda = cuda_peak_allocated_bytes(dev_);
-    if (cuda >= 0) return cuda;
+  static double host_peak_bytes() {
     std::ifstream st("/proc/self/status");
     std::string line;
     while (std::getline(st, line))
       if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
     return 0;
+  }
+  double peak_memory_bytes() {
+    const double cuda = cuda_peak_allocated_bytes(dev_);
+    if (cuda >= 0) return std::max(cuda, peak_seen_);  // the timeline restarts the allocator's peak
+    return host_peak_bytes();
   }
 
   static double bytes(const at::Tensor& t) { return t.defined() ? double(t.numel() * t.element_size()) : 0; }
@@ -934,7 +1007,7 @@ class Engine {
   DataSource data_;
   int micro_batch_ = 1, grad_accum_ = 1;
   bool recompute_attention_ = false;
-  bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false, publish_pending_ = false;
+  bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false;
   std::map<int, std::vector<std::pair<int64_t, at::Tensor>>> d2h_pending_;
   std::map<int, at::Tensor> staged_;
   std::map<std::pair<Op, Purpose>, double> copy_bytes_;
@@ -943,7 +1016,7 @@ class Engine {
   std::vector<int> first_tensor_;
   std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
   std::vector<bool> gathered_;
-  at::Tensor adam_step_tensor_;
+  at::Tensor adam_step_tensor_, staging16_, d2h_staging_;
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
   std::vector<std::vector<int>> group_units_;
@@ -959,8 +1032,11 @@ class Engine {
   size_t pc_ = 0;
   double step_scale_ = 1;
   bool step_skipped_ = false, measuring_ = false;
-  double recompute_seconds_ = 0, comm_wait_seconds_ = 0;
+  double comm_wait_seconds_ = 0;
+  double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
+  std::map<std::string, double> inner_seconds_;  // by instruction kind, see execute()
   bool overlap_ = true;
+  bool aliased_ = false;  // ZeRO-3 on one rank: the gathered parameters are views of the shard
   std::vector<Deferred> deferred_;
   std::map<std::string, double> seconds_by_op_, expected_;
 };
@@ -970,7 +1046,8 @@ EngineResult Engine::run() {
   const RankProgram& rp = program_.ranks[rank_];
   plan_residency(rp);
   if (o_.resume) load_checkpoint();
-  for (int g : persistent_) gather_group(g, nullptr);
+  if (!aliased_)
+    for (int g : persistent_) gather_group(g, nullptr);
   res.first_step = step_ + 1;
   const int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
   const double static_bytes = peak_memory_bytes();
@@ -995,15 +1072,13 @@ EngineResult Engine::run() {
     loss_sum_ = at::Tensor();
     sync();
     auto t0 = Clock::now();
-    execute(rp);
+    // The first measured step records the memory timeline (CUDA only).
+    const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
+    execute(rp, record ? &res.memory_timeline : nullptr);
     {
       const double cw0 = comm_wait_seconds_;
       flush_all();
       if (measuring_ && comm_wait_seconds_ > cw0) seconds_by_op_["dp_comm_wait"] += comm_wait_seconds_ - cw0;
-    }
-    if (publish_pending_) {  // no CopyH2D in the Program
-      publish_master();
-      publish_pending_ = false;
     }
     sync();
     const double dt = seconds_since(t0);
@@ -1044,8 +1119,9 @@ EngineResult Engine::run() {
   double params = 0, grads = bytes(grad16_) + bytes(grad_acc_), optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_);
   if (stage_ <= 2) params = bytes(flat16_);
   else {
-    params = bytes(shard16_);
-    for (int g : persistent_) params += double(part_.stage3_groups[g].numel) * elt16();
+    params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;
+    if (!aliased_)
+      for (int g : persistent_) params += double(part_.stage3_groups[g].numel) * elt16();
   }
   auto& m = res.memory_bytes;
   m["params"] = params;
@@ -1055,6 +1131,7 @@ EngineResult Engine::run() {
   const double peak = peak_memory_bytes();
   m["peak"] = peak;
   m["activations_and_temporaries"] = std::max(0.0, peak - std::max(static_bytes, params + grads + (offload_ ? 0 : optim)));
+  if (dev_.is_cuda()) m["host_peak"] = host_peak_bytes();  // the process's resident high-water mark
   return res;
 }
 

@@ -26,6 +26,14 @@ struct EngineResult {
   std::map<std::string, double> expected_bytes;  // Program's size bytes, same keys, same steps
   std::map<std::string, double> memory_bytes;    // peak by category
   int64_t first_step = 1;            // 1 unless resumed
+  // CUDA: the first measured step, instruction by instruction: bytes allocated after it and the
+  // allocator's peak while it ran (what the memory model's categories are checked against).
+  struct MemoryPoint {
+    std::string op;
+    int micro_batch = -1, layer_begin = -1;
+    double allocated = 0, peak = 0;
+  };
+  std::vector<MemoryPoint> memory_timeline;
 };
 
 std::string counter_key(Op op, Purpose p);  // "reduce_scatter/gradient_reduce"

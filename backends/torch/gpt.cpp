@@ -20,6 +20,9 @@ GptConfig GptConfig::from(const ModelSpec& m) {
     throw std::invalid_argument("model: hidden (" + std::to_string(c.hidden) +
                                 ") must be divisible by heads (" + std::to_string(c.heads) + ")");
   if (m.is_moe()) throw std::invalid_argument("torch backend: MoE models are not supported");
+  if (m.has_dropout())
+    throw std::invalid_argument("torch backend: model.dropout = " + std::to_string(m.dropout) +
+                                " is not implemented (dssim's GPT trains without dropout); set model.dropout: 0");
   if (!m.tied_embeddings) throw std::invalid_argument("torch backend: only tied embeddings are supported");
   return c;
 }

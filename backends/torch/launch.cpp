@@ -97,6 +97,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   r.time.backward = sec("backward");
   r.time.recompute = sec("recompute");
   r.time.optimizer = sec("optimizer_step") + sec("host_optimizer_step");
+  r.time.exposed_offload = sec("copy_h2d") + sec("copy_d2h");
   // Exposed communication: issuing the collectives plus waiting for them where their results are
   // consumed (dp_comm_wait).
   r.time.exposed_dp = sec("all_reduce") + sec("reduce_scatter") + sec("all_gather") + sec("dp_comm_wait");
@@ -131,6 +132,13 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
     if (res.skipped[i]) skipped.push_back(int(res.first_step + i));
   measured["skipped_steps"] = skipped;
   measured["memory_bytes"] = res.memory_bytes;
+  if (!res.memory_timeline.empty()) {
+    nlohmann::json tl = nlohmann::json::array();
+    for (const auto& p : res.memory_timeline)
+      tl.push_back({{"op", p.op}, {"micro_batch", p.micro_batch}, {"layer_begin", p.layer_begin},
+                    {"allocated", p.allocated}, {"peak", p.peak}});
+    measured["memory_timeline"] = tl;  // first measured step, per instruction (bytes)
+  }
   measured["flash_attention"] = flash_attention_available();
   measured["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   r.extras["measured"] = measured;

@@ -57,6 +57,27 @@ inline double cuda_peak_allocated_bytes(const at::Device& d) {
   return -1;
 }
 
+// Bytes allocated now by libtorch's CUDA caching allocator; -1 where there is none.
+inline double cuda_allocated_bytes(const at::Device& d) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (d.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return double(stats.allocated_bytes[0].current);
+  }
+#else
+  (void)d;
+#endif
+  return -1;
+}
+// Restarts the allocator's peak counters (cuda_peak_allocated_bytes then reports the peak since).
+inline void cuda_reset_peak(const at::Device& d) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+#else
+  (void)d;
+#endif
+}
+
 inline void set_cuda_device(int index) {
 #if defined(DSSIM_TORCH_CUDA)
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));

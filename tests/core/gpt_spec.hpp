@@ -1,4 +1,5 @@
-// A GPT of the Megatron papers' shape (V = 51200, s = 2048) for the model and memory tests.
+// A GPT of the Megatron papers' shape (V = 51200, s = 2048, dropout 0.1 as Megatron's and
+// Korthikanti's) for the model and memory tests.
 #pragma once
 #include "core/scenario.hpp"
 
@@ -12,6 +13,7 @@ inline ModelSpec gpt_spec(int layers, int hidden, int heads) {
   m.heads = heads;
   m.vocab = 51200;
   m.seq_len = 2048;
+  m.dropout = 0.1;
   return m;
 }
 

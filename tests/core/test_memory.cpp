@@ -87,15 +87,27 @@ TEST_CASE("Korthikanti activation forms per layer", "[memory]") {
   CHECK(1 - sel / none == Approx(80.0 / 114).epsilon(1e-9));
   CHECK(1 - sel / none == Approx(0.70).margin(0.005));
 
-  // The model-based overload reduces to the same forms for a dense ffn = 4h layer in 16-bit.
+  // The model-based overload reduces to the same forms for a dense ffn = 4h layer in 16-bit with
+  // dropout, plus the LayerNorms' fp32 mean and 1/std (16 bytes per token, split by SP) that
+  // Korthikanti leaves out; without dropout the two 1-byte masks per element go.
   ModelSpec m = gpt(96, 12288, 96);
+  m.flash_attention = false;
   for (int tp : {1, 2, 8})
     for (bool seqp : {false, true})
       for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
         if (seqp && tp == 1) continue;
         INFO("tp=" << tp << " sp=" << seqp << " r=" << static_cast<int>(r));
+        const double sp_div = seqp ? tp : 1;
+        const double ln_stats = r == Recompute::full ? 0 : 16 * s * 2 / sp_div;
         CHECK(activation_bytes_per_layer(m, 2, tp, seqp, r, false) ==
-              Approx(activation_bytes_per_layer(s, 2, h, a, tp, seqp, r)));
+              Approx(activation_bytes_per_layer(s, 2, h, a, tp, seqp, r) + ln_stats));
+        ModelSpec no_dropout = m;
+        no_dropout.dropout = 0;
+        // masks: 2 s b h (/t with SP); unfused attention core 5 a s^2 b / t -> 2 a s^2 b / t
+        const double masks = r == Recompute::full ? 0 : 2 * s * 2 * h / sp_div;
+        const double core = r == Recompute::none ? 3 * a * s * s * 2 / tp : 0;
+        CHECK(activation_bytes_per_layer(no_dropout, 2, tp, seqp, r, false) ==
+              Approx(activation_bytes_per_layer(m, 2, tp, seqp, r, false) - masks - core));
       }
 }
 
@@ -113,11 +125,27 @@ TEST_CASE("in-flight micro-batches: 1F1B and interleaved", "[memory]") {
     }
 }
 
+// ZeRO's accounting keeps 16-bit gradients (2 bytes per element, sharded from stage 2); dssim's
+// engine keeps a persistent fp32 gradient buffer for the optimizer's shard instead at stage 3 and
+// besides the 16-bit gradients at stages 0 and 1 (DeepSpeed's BF16_Optimizer layout); stage 2
+// makes its fp32 copy at the step.
+double engine_model_states(double psi, int stage, int n) {
+  const double zero = zero_model_state_bytes(psi, stage, n);
+  switch (stage) {
+    case 0: return zero + 4 * psi;
+    case 1: return zero + 4 * psi / n;
+    case 2: return zero;
+    default: return zero - 2 * psi / n + 4 * psi / n;
+  }
+}
+
 TEST_CASE("ZeRO-3 7.5B on 64 GPUs: model states 1.88 GB", "[memory]") {
   Scenario sc = scenario(gpt(36, 4096, 32), 64, 1, 1, 3);  // Megatron's 7.5B configuration
   const MemoryBreakdown mb = peak_memory(sc);
-  CHECK(mb.model_states() / 1e9 == Approx(1.88).epsilon(0.01));
-  CHECK(mb.model_states() == Approx(zero_model_state_bytes(parameter_count(sc.model), 3, 64)));
+  const double psi = parameter_count(sc.model);
+  CHECK(zero_model_state_bytes(psi, 3, 64) / 1e9 == Approx(1.88).epsilon(0.01));
+  CHECK(mb.model_states() == Approx(engine_model_states(psi, 3, 64)));
+  CHECK(mb.grads == Approx(4 * psi / 64));  // the fp32 buffer of the shard, no 16-bit gradients
   CHECK(mb.params_gathered > 0);
   // the working set: the largest module (the vocab embedding) plus the prefetch bucket, 16-bit
   CHECK(mb.params_gathered >= 2.0 * (51200.0 * 4096 + sc.zero.prefetch_bucket_size));
@@ -131,7 +159,7 @@ TEST_CASE("ZeRO stages: model states per stage and monotone totals", "[memory]")
   for (int stage = 0; stage <= 3; ++stage) {
     INFO("stage " << stage);
     const MemoryBreakdown mb = peak_memory(scenario(m, 16, 1, 1, stage));
-    CHECK(mb.model_states() == Approx(zero_model_state_bytes(psi, stage, 16)));
+    CHECK(mb.model_states() == Approx(engine_model_states(psi, stage, 16)));
     CHECK(mb.model_states() < prev_states);
     if (stage > 0) CHECK(mb.optimizer == Approx(12 * psi / 16));
     CHECK(mb.total() < prev_total);
@@ -171,8 +199,10 @@ TEST_CASE("flash attention keeps no s x s scores: only the row log-sum-exp", "[m
     m.flash_attention = true;
     const double flash = activation_bytes_per_layer(m, 2, tp, false, Recompute::none, false);
     m.flash_attention = false;
-    // flash = selective-recompute form (no 5as/h term) + fp32 log-sum-exp per (row, head)
-    CHECK(flash == Approx(activation_bytes_per_layer(s, b, h, a, tp, false, Recompute::selective) + 4 * a * s * b / tp));
+    // flash = selective-recompute form (no 5as/h term) + fp32 log-sum-exp per (row, head), and the
+    // LayerNorm statistics (16 bytes per token)
+    CHECK(flash == Approx(activation_bytes_per_layer(s, b, h, a, tp, false, Recompute::selective) + 4 * a * s * b / tp +
+                          16 * s * b));
     CHECK(unfused - flash == Approx(5 * a * s / (h * tp) * s * b * h - 4 * a * s * b / tp));
   }
 }
@@ -182,7 +212,8 @@ TEST_CASE("activations: per layer x layers of the stage x in-flight micro-batche
   Scenario sc = scenario(m, 2, 4, 4, 1);
   sc.parallel.sequence_parallel = true;
   const double s = 2048, b = 1, h = 4096, a = 32;
-  const double per_layer = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::none);
+  const double ln_stats = 16 * s * b / 4;  // LayerNorm mean and 1/std in fp32, split by SP
+  const double per_layer = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::none) + ln_stats;
   // Middle stages carry no embedding / head extras: exactly 8 layers x (4 - stage) micro-batches.
   CHECK(stage_memory(sc, 1).activations == Approx(per_layer * 8 * 3));
   CHECK(stage_memory(sc, 2).activations == Approx(per_layer * 8 * 2));
@@ -195,7 +226,7 @@ TEST_CASE("activations: per layer x layers of the stage x in-flight micro-batche
   CHECK(peak_memory(sc).total() == Approx(stage_memory(sc, 0).total()));
 
   sc.recompute = Recompute::selective;
-  const double sel = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::selective);
+  const double sel = activation_bytes_per_layer(s, b, h, a, 4, true, Recompute::selective) + ln_stats;
   CHECK(stage_memory(sc, 1).activations == Approx(sel * 8 * 3));
   sc.recompute = Recompute::full;
   CHECK(stage_memory(sc, 1).activations == Approx(2 * s * b * h / 4 * 8 * 3));
@@ -312,4 +343,28 @@ TEST_CASE("fp32 training with optimizer offload: 16 bytes per shard element on t
   CHECK(mb.optimizer == 0);
   CHECK(mb.grads == 0);
   CHECK(mb.params == Approx(4 * psi));
+}
+
+TEST_CASE("one rank: no ZeRO buffers, ZeRO-3 in place; the loss's fp32 transient", "[memory]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  m.dropout = 0;
+  const double psi = parameter_count(m);
+  for (int stage = 0; stage <= 3; ++stage) {
+    INFO("stage " << stage);
+    Scenario one = scenario(m, 1, 1, 1, stage), two = scenario(m, 2, 1, 1, stage);
+    one.training.micro_batch = two.training.micro_batch = 8;
+    const MemoryBreakdown a = peak_memory(one), b = peak_memory(two);
+    CHECK(a.comm_buffers == 0);    // nothing to reduce or gather on one rank
+    CHECK(b.comm_buffers > 0);     // DeepSpeed's buckets
+    if (stage == 3) {
+      CHECK(a.params == Approx(2 * psi));  // the whole model is the shard, used in place
+      CHECK(a.params_gathered == 0);
+      CHECK(b.params_gathered > 0);
+    }
+    // PyTorch's cross-entropy on fp32 logits holds log-softmax, its gradient and the input
+    // gradient at once: 3 x 4 b s V (ZeRO-3 adds the 16-bit gradients of the groups in backward).
+    const double ce = 12.0 * 8 * 2048 * 51200;
+    if (stage < 3) CHECK(a.temporaries == Approx(ce));
+    else CHECK(a.temporaries > ce);
+  }
 }

@@ -1,0 +1,102 @@
+#include "backends/torch/optimizer_kernels.hpp"
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <ATen/Parallel.h>
+#include "backends/torch/torch_compat.hpp"
+
+namespace dssim::tb {
+
+namespace {
+
+template <class T16>
+void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
+                int64_t step) {
+  const float lr = float(h.lr), b1 = float(h.beta1), b2 = float(h.beta2), eps = float(h.eps);
+  const float decay = float(1.0 - h.lr * h.weight_decay);
+  const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
+  const float step_size = float(h.lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
+  (void)lr;
+  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i];
+      const float mi = m[i] + (gi - m[i]) * (1.0f - b1);
+      const float vi = v[i] * b2 + (1.0f - b2) * gi * gi;
+      const float pi = p[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+      m[i] = mi;
+      v[i] = vi;
+      p[i] = pi;
+      if constexpr (!std::is_same_v<T16, void>) out[i] = T16(pi);
+    }
+  });
+}
+
+}  // namespace
+
+void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
+                const AdamWHyper& h, at::Tensor* step_tensor, at::Tensor* out16) {
+#if DSSIM_TORCH_AT_LEAST(2, 4)
+  if (p.is_cuda()) {
+    // torch.optim.AdamW(fused=True)'s kernel on the flat shard: one pass over p, g, m, v.
+    if (!step_tensor) throw std::invalid_argument("adamw_step: the fused CUDA kernel needs a step tensor");
+    if (!step_tensor->defined()) *step_tensor = at::zeros({}, p.options());
+    step_tensor->fill_(double(step));
+    std::vector<at::Tensor> ps{p}, gs{g}, ms{m}, vs{v}, none, steps{*step_tensor};
+    at::_fused_adamw_(ps, gs, ms, vs, none, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
+    return;
+  }
+#endif
+  (void)step_tensor;
+  if (!p.is_cpu()) {
+    // An accelerator without the fused kernel (libtorch < 2.4): torch.optim.AdamW written out.
+    p.mul_(1.0 - h.lr * h.weight_decay);
+    m.lerp_(g, 1.0 - h.beta1);
+    v.mul_(h.beta2).addcmul_(g, g, 1.0 - h.beta2);
+    const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
+    auto denom = (v.sqrt() / std::sqrt(bc2)).add_(h.eps);
+    p.addcdiv_(m, denom, -h.lr / bc1);
+    return;
+  }
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m), static_cast<const at::Tensor*>(&v)})
+    if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != p.numel())
+      throw std::invalid_argument("adamw_step: p, g, m, v must be contiguous fp32 tensors of one size");
+  const int64_t n = p.numel();
+  float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  if (out16 && out16->defined()) {
+    if (!out16->is_cpu() || !out16->is_contiguous() || out16->numel() != n)
+      throw std::invalid_argument("adamw_step: out16 must be a contiguous host tensor of p's size");
+    if (out16->scalar_type() == at::kBFloat16)
+      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::BFloat16>(), n, h, step);
+    if (out16->scalar_type() == at::kHalf) return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::Half>(), n, h, step);
+    throw std::invalid_argument("adamw_step: out16 must be bf16 or fp16");
+  }
+  fused_loop<void>(pp, gp, mp, vp, nullptr, n, h, step);
+}
+
+namespace {
+template <class T>
+void accumulate_loop(float* acc, const T* src, int64_t n, float scale) {
+  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) acc[i] += scale * float(src[i]);
+  });
+}
+}  // namespace
+
+void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale) {
+  if (!acc.is_cpu() || !src.is_cpu() || acc.scalar_type() != at::kFloat || !acc.is_contiguous() ||
+      !src.is_contiguous() || acc.numel() != src.numel()) {
+    acc.add_(src, scale);
+    return;
+  }
+  float* a = acc.data_ptr<float>();
+  const int64_t n = acc.numel();
+  switch (src.scalar_type()) {
+    case at::kBFloat16: return accumulate_loop(a, src.data_ptr<at::BFloat16>(), n, float(scale));
+    case at::kHalf: return accumulate_loop(a, src.data_ptr<at::Half>(), n, float(scale));
+    case at::kFloat: return accumulate_loop(a, src.data_ptr<float>(), n, float(scale));
+    default: acc.add_(src, scale);
+  }
+}
+
+}  // namespace dssim::tb

@@ -1,0 +1,39 @@
+// The optimizer step's kernels, shared by the engine (engine.cpp) and `dssim calibrate`
+// (calibrate.cpp), so that the rate the calibration measures is the rate of the code that trains.
+//
+// One step of the engine, per parameter of this rank's shard (16-bit training, as DeepSpeed's
+// BF16_Optimizer lays it out: fp32 master, moments and a persistent fp32 gradient buffer):
+//   fold     g32 += g16; g16 = 0          read 2 + 4, write 4 + 2   = 12 bytes  (16-bit grads in)
+//   adamw    p32, m, v updated from g32    read 16, write 12         = 28 bytes
+//   clear    g32 = 0                                   write 4      =  4 bytes
+//   publish  p16 = p32                     read 4, write 2           =  6 bytes
+// core/program_builder.cpp counts the same bytes for the OptimizerStep instruction, and the
+// profile's `optimizer_step` row is bytes/s over that sum (kStepBytesPerParam16).
+#pragma once
+#include <cstdint>
+#include <ATen/ATen.h>
+
+namespace dssim::tb {
+
+struct AdamWHyper {
+  double lr = 1e-4, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+};
+
+constexpr double kFoldBytesPerParam16 = 12, kAdamWBytesPerParam = 28, kClearBytesPerParam = 4,
+                 kPublishBytesPerParam16 = 6;
+constexpr double kStepBytesPerParam16 =
+    kFoldBytesPerParam16 + kAdamWBytesPerParam + kClearBytesPerParam + kPublishBytesPerParam16;
+
+// torch.optim.AdamW on one flat fp32 shard, `step` 1-based. On CUDA (libtorch >= 2.4) the fused
+// multi-tensor kernel of AdamW(fused=True); elsewhere a fused loop (one pass over p, g, m, v,
+// parallel over chunks, as DeepSpeed's CPUAdam does), with no full-size temporaries. When `out16`
+// is defined (a host tensor of 16-bit dtype, same numel) the loop also writes the updated
+// parameters converted to it (DeepSpeed's step-plus-copy).
+void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
+                const AdamWHyper& h, at::Tensor* step_tensor = nullptr, at::Tensor* out16 = nullptr);
+
+// acc += scale * src on the host, src fp32 or 16-bit (ZeRO-Offload's gradient accumulation into
+// the host fp32 buffer): one parallel pass, no temporary.
+void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale);
+
+}  // namespace dssim::tb
