@@ -26,7 +26,11 @@ double DeviceModel::gemm_efficiency(double flops) const {
 }
 
 double DeviceModel::kernel_seconds(const LayerOp& op) const {
-  // A measured kernel: back-to-back timing already includes what launches cost in a stream.
+  // A measured kernel: back-to-back timing already includes what launches cost in a stream. An op
+  // that names its kernel (cross_entropy, bias_grad) is priced by that row where measured.
+  if (profile_ && !op.gemm && !op.kernel.empty() && op.memory_bytes > 0)
+    if (auto bw = profile_->elementwise_bytes_per_second(op.kernel, dtype_, op.memory_bytes))
+      return op.memory_bytes / *bw;
   if (profile_)
     if (auto t = profile_->kernel_seconds(op, dtype_, flash_attention_)) return *t;
   // Unfused attention (Megatron 2021): batched QK^T / attention-over-V GEMMs and a softmax that
@@ -40,6 +44,32 @@ double DeviceModel::kernel_seconds(const LayerOp& op) const {
   // QK^T and attention-over-V run inside one fused (flash) kernel: FLOP-bound, and its s x s
   // intermediates never reach HBM.
   return op.flops / (peak_ * g.attention_efficiency) + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
+}
+
+double DeviceModel::flash_backward_seconds(const LayerOp& op) const {
+  // The profile's flash_backward rows (same FLOP convention as the forward rows); else FlashAttention's
+  // backward recomputes QK^T and runs 5 GEMM-sized products for the forward's 2 (Dao 2023,
+  // arXiv:2307.08691, section 3.1.2): 2.5x the forward.
+  if (profile_ && op.flops > 0) {
+    const double head_dim = op.n == op.m ? op.k : op.n;  // scores [s x s] = [s x d][d x s]; over V [s x d]
+    if (auto rate = profile_->attention_flops_per_second("flash_backward", dtype_, op.batch, op.m, head_dim))
+      return op.flops / *rate;
+  }
+  return 2.5 * kernel_seconds(op);
+}
+
+double DeviceModel::memory_bound_backward_seconds(const LayerOp& op) const {
+  // The backward kernels' bytes (model.cpp's op constructors) at the measured rate of the row that
+  // names them, else at the forward kernel's rate (or the roofline).
+  LayerOp bwd = op;
+  bwd.memory_bytes = op.backward_memory_bytes();
+  bwd.flops = op.backward_only ? op.flops : 2 * op.flops;
+  if (!op.backward_only) bwd.kernel = op.backward_kernel.empty() ? op.kernel : op.backward_kernel;
+  if (profile_ && !bwd.kernel.empty() && bwd.memory_bytes > 0)
+    if (auto bw = profile_->elementwise_bytes_per_second(bwd.kernel, dtype_, bwd.memory_bytes))
+      return bwd.memory_bytes / *bw;
+  bwd.kernel.clear();  // not measured: the forward family's rate
+  return kernel_seconds(bwd);
 }
 
 double DeviceModel::roofline_seconds(const LayerOp& op) const {
@@ -62,23 +92,19 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
       switch (inst.op) {
         case Op::Backward:
           if (op.gemm && op.attention_core && flash_attention_) {
-            // FlashAttention's backward recomputes QK^T and runs 5 GEMM-sized products for the
-            // forward's 2 (Dao 2023, arXiv:2307.08691, section 3.1.2): 2.5x the forward.
-            t += 2.5 * kernel_seconds(op);
+            t += flash_backward_seconds(op);
           } else if (op.gemm) {
             t += backward_gemm_seconds(op);
           } else {
-            LayerOp twice = op;
-            twice.memory_bytes *= 2;
-            twice.flops *= 2;
-            t += kernel_seconds(twice);
+            t += memory_bound_backward_seconds(op);
           }
           break;
         case Op::Recompute:
+          if (op.backward_only) break;
           if (recompute_ == Recompute::full || op.attention_core) t += kernel_seconds(op);
           break;
         default:
-          t += kernel_seconds(op);
+          if (!op.backward_only) t += kernel_seconds(op);
       }
     }
     return t;

@@ -21,6 +21,10 @@ class DeviceModel {
   // Backward of a GEMM LayerOp (given by its forward shape, not attention-core): the profile's
   // dgrad + wgrad time where both are measured, else 2x kernel_seconds.
   double backward_gemm_seconds(const LayerOp& op) const;
+  // Backward of a flash-attention GEMM op: the profile's flash_backward rate, else 2.5x forward.
+  double flash_backward_seconds(const LayerOp& op) const;
+  // Backward of a memory-bound op (LayerOp::backward_memory_bytes at its backward kernel's rate).
+  double memory_bound_backward_seconds(const LayerOp& op) const;
   // Compute instruction on the GPU (Forward/Backward/Recompute/OptimizerStep), one repetition.
   // Program::op_lists hold forward kernels; Backward and Recompute derive theirs from them.
   double compute_seconds(const Program& program, const Instruction& inst) const;

@@ -139,14 +139,37 @@ LayerOp elementwise_op(const std::string& name, double elements, double flops_pe
 LayerOp layernorm_op(const std::string& name, double tokens, double h, double e) {
   LayerOp op = elementwise_op(name, tokens * h, kLayerNormFlopsPerElement, 2 * e);  // read x, write y
   op.memory_bytes += 2 * h * e;                                                      // gain, bias
+  // PyTorch's backward: dx from (dy, x) in one kernel, then dgain / dbias re-reading dy and x.
+  op.backward_bytes = 5 * e * tokens * h;
+  op.backward_kernel = "layer_norm_backward";
+  return op;
+}
+
+// Backward-only work of a layer: the bias gradients (dy summed over the tokens, one reduction per
+// biased linear; `bias_width` = the widths' sum), and adding the layer's weight gradients into the
+// gradient buffer (read it and the new gradient, write it: 3 g bytes per parameter), as PyTorch's
+// AccumulateGrad does into the flat buffer's views (DeepSpeed copies into its bucket instead).
+LayerOp bias_grads_op(double tokens, double bias_width, double e) {
+  LayerOp op = elementwise_op("bias_grads", tokens * bias_width, 1, e);
+  op.kernel = "bias_grad";
+  op.backward_only = true;
+  return op;
+}
+LayerOp grad_accumulate_op(double params, double e) {
+  LayerOp op = elementwise_op("grad_accumulate", params, 1, 3 * e);
+  op.backward_only = true;
   return op;
 }
 
 // dropout(x) + residual: read x and the residual, write the sum and the mask; without dropout
 // the residual add alone (no mask).
+// Backward: the residual's gradient is summed with the branch's at the fork (3 bytes per element),
+// and dropout's backward rescales by the mask (read the gradient and mask, write one).
 LayerOp dropout_residual_op(const std::string& name, double tokens, double h, double e, bool dropout) {
-  if (!dropout) return elementwise_op("residual" + name.substr(name.size() - 2), tokens * h, 1, 3 * e);
-  return elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement);
+  LayerOp op = dropout ? elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement)
+                       : elementwise_op("residual" + name.substr(name.size() - 2), tokens * h, 1, 3 * e);
+  op.backward_bytes = (dropout ? 5 * e + kMaskBytesPerElement : 3 * e) * tokens * h;
+  return op;
 }
 
 }  // namespace
@@ -174,12 +197,21 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement, true));
   ops.push_back(gemm_op("attention_over_v", b * local_heads, s, head_dim, s, e, true));
   ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
+  // Backward-only layout copies around the attention core (PyTorch): the output's gradient made
+  // contiguous for the attention backward (h/t wide), dq, dk, dv stacked into the QKV gradient and
+  // that permuted gradient made contiguous for the QKV linear (3h/t wide each): read + write.
+  LayerOp layout = elementwise_op("attention_layout_copies", tokens * (h + 2 * 3 * h) / t, 0, 2 * e);
+  layout.backward_only = true;
+  ops.push_back(layout);
   ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e, m.has_dropout()));
   ops.push_back(layernorm_op("layernorm_2", norm_tokens, h, e));
 
   if (!shape.moe || !m.is_moe()) {
     ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
-    ops.push_back(elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e));
+    LayerOp gelu = elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e);
+    gelu.backward_bytes = 3 * e * tokens * f / t;  // read dy and x, write dx
+    gelu.backward_kernel = "gelu_backward";
+    ops.push_back(gelu);
     ops.push_back(gemm_op("mlp_down", 1, tokens, h, f / t, e));
   } else {
     // [DS] The gate is replicated in the TP group; DeepSpeed drops the TP-duplicated tokens before
@@ -196,11 +228,18 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
                                  2 * e));
     ops.push_back(elementwise_op("moe_dispatch", routed_tokens * h, 0, 2 * e));  // scatter to capacity slots
     ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
-    ops.push_back(elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e));
+    LayerOp gelu = elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e);
+    gelu.backward_bytes = 3 * e * routed_tokens * f;
+    gelu.backward_kernel = "gelu_backward";
+    ops.push_back(gelu);
     ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
     ops.push_back(elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e));  // weighted gather back
   }
   ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e, m.has_dropout()));
+  // Bias gradients of qkv (3h/t), the projection (h), mlp_up (f/t), mlp_down (h); the layer's
+  // weight gradients into the buffer.
+  ops.push_back(bias_grads_op(tokens, 3 * h / t + h + f / t + h, e));
+  ops.push_back(grad_accumulate_op(dense_layer_params(m) / t, e));
   return ops;
 }
 
@@ -216,9 +255,14 @@ std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape&
   // read token ids (8 B), the gathered word rows and position rows, write the sum
   LayerOp lookup = elementwise_op("embedding_lookup", tokens * h, 1, 3 * e);
   lookup.memory_bytes += tokens * 8;
+  // Backward: the incoming gradient read for the word and position tables, the word table's
+  // dense gradient zeroed and scattered into (PyTorch's embedding_dense_backward).
+  lookup.backward_bytes = 2 * e * tokens * h + 2 * e * m.vocab / t * h;
+  lookup.backward_kernel = "embedding_backward";
   ops.push_back(lookup);
   if (m.has_dropout())
     ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
+  ops.push_back(grad_accumulate_op(m.vocab / t * h + s * h, e));  // word and position tables
   return ops;
 }
 
@@ -233,8 +277,16 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   std::vector<LayerOp> ops;
   ops.push_back(layernorm_op("final_layernorm", norm_tokens, h, e));
   ops.push_back(gemm_op("logits", 1, tokens, v / t, h, e));
-  ops.push_back(elementwise_op("softmax_cross_entropy", tokens * v / t, kSoftmaxFlopsPerElement + 2,
-                               e + 2 * 4));
+  // PyTorch's cross-entropy on fp32 logits (dssim's engine): the cast (read 16-bit, write fp32),
+  // log-softmax (two reads for max and sum, one write); backward: the nll gradient zero-filled,
+  // log-softmax's backward (two reads of the gradient, one of its output, one write), cast back.
+  LayerOp ce = elementwise_op("softmax_cross_entropy", tokens * v / t, kSoftmaxFlopsPerElement + 2, e + 16);
+  ce.kernel = "cross_entropy";
+  ce.backward_bytes = (24 + e) * tokens * v / t;
+  ce.backward_kernel = "cross_entropy_backward";
+  ops.push_back(ce);
+  // The tied / untied output embedding's and final LayerNorm's weight gradients into the buffer.
+  ops.push_back(grad_accumulate_op(v / t * h + 2 * h, e));
   return ops;
 }
 
@@ -249,6 +301,7 @@ OpsCost& OpsCost::operator+=(const OpsCost& o) {
 OpsCost sum_cost(const std::vector<LayerOp>& ops) {
   OpsCost c;
   for (const auto& op : ops) {
+    if (op.backward_only) continue;
     c.flops += op.flops;
     if (op.gemm) c.gemm_flops += op.flops;
     c.memory_bytes += op.memory_bytes;
@@ -258,14 +311,16 @@ OpsCost sum_cost(const std::vector<LayerOp>& ops) {
 }
 
 // Backward: each GEMM becomes two (dgrad: dA = dC B^T, wgrad: dB = A^T dC), each reading two operands
-// and writing one, so 2x FLOPs and 2x bytes; each elementwise op reads the incoming gradient and its
-// saved input and writes one gradient: ~2x bytes, and we count 2x its (small) FLOPs.
+// and writing one, so 2x FLOPs and 2x bytes; each memory-bound op moves its backward_bytes (the
+// kernels PyTorch runs, see the op constructors; 2x the forward's where not given) and we count
+// 2x its (small) FLOPs; backward-only ops (bias gradients, gradient accumulation) once.
 OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
   OpsCost c;
   for (const auto& op : forward_ops) {
-    c.flops += 2 * op.flops;
-    if (op.gemm) c.gemm_flops += 2 * op.flops;
-    c.memory_bytes += 2 * op.memory_bytes;
+    const double f = op.backward_only ? 1 : 2;
+    c.flops += f * op.flops;
+    if (op.gemm) c.gemm_flops += f * op.flops;
+    c.memory_bytes += op.gemm ? 2 * op.memory_bytes : op.backward_memory_bytes();
     c.kernels += op.gemm ? 2 : 1;
   }
   return c;
@@ -277,7 +332,7 @@ OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r) {
   if (r == Recompute::full) return sum_cost(forward_ops);
   std::vector<LayerOp> core;
   for (const auto& op : forward_ops)
-    if (op.attention_core) core.push_back(op);
+    if (op.attention_core && !op.backward_only) core.push_back(op);
   return sum_cost(core);
 }
 

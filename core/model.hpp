@@ -42,6 +42,18 @@ struct LayerOp {
   // flops == 2 * batch * m * n * k for every GEMM op.
   double m = 0, n = 0, k = 0;
   double batch = 1;
+  // Memory-bound ops: the measured kernel (device profile `elementwise` row) that prices the
+  // forward, when it is not the name's family (add / gelu / layer_norm); its backward's HBM bytes
+  // (< 0: twice the forward's) and the row that prices them (empty: the forward's).
+  std::string kernel;
+  double backward_bytes = -1;
+  std::string backward_kernel;
+  // Runs in backward only (bias gradients, accumulation into the gradient buffer): no forward,
+  // no recompute; its memory_bytes are its backward bytes.
+  bool backward_only = false;
+  double backward_memory_bytes() const {
+    return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
+  }
 };
 
 struct LayerShape {
@@ -71,7 +83,7 @@ struct OpsCost {
   OpsCost& operator+=(const OpsCost& o);
 };
 OpsCost sum_cost(const std::vector<LayerOp>& ops);
-OpsCost backward_cost(const std::vector<LayerOp>& forward_ops);     // 2x GEMM FLOPs, ~2x bytes
+OpsCost backward_cost(const std::vector<LayerOp>& forward_ops);     // 2x GEMM FLOPs, backward bytes
 OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r);  // selective: attention core only
 
 }  // namespace dssim

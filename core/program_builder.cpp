@@ -136,6 +136,13 @@ std::vector<int> virtual_stage_layers(const Scenario& sc) {
 }
 
 class Builder {
+  // The step's extra passes over the fp32 gradients: the global norm (fp16's overflow check,
+  // clipping) reads them once; unscaling (fp16) or clipping rescales them in place.
+  double norm_and_unscale_bytes_per_param() const {
+    const bool fp16 = sc_.precision.dtype == Dtype::fp16, clip = sc_.training.gradient_clipping > 0;
+    return (fp16 || clip ? 4.0 : 0.0) + (fp16 || clip ? 8.0 : 0.0);
+  }
+
  public:
   Builder(const Scenario& sc, const BuildOptions& opts)
       : sc_(sc), opts_(opts), grid_(sc.parallel), m_(sc.model) {
@@ -876,9 +883,9 @@ class Builder {
                                     : double(plan.dense.shard_numel + (plan.has_expert ? plan.expert.shard_numel : 0));
     uint32_t updated = kNone;
     if (sc_.zero.offload_optimizer) {
-      Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);
+      Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);  // fp32 gradients on the host
       h.flops = shard * kAdamFlopsPerParam;
-      h.memory_bytes = shard * host_step_bytes_per_param(g_);  // fp32 gradients on the host
+      h.memory_bytes = shard * (host_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param());
       const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, x.last_compute});
       Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
       up.bytes = shard * g_;
@@ -886,7 +893,7 @@ class Builder {
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
-      o.memory_bytes = shard * device_step_bytes_per_param(g_);
+      o.memory_bytes = shard * (device_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param());
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

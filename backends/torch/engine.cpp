@@ -700,13 +700,9 @@ class Engine {
     if (!offload_) publish_master();
   }
 
-  // Squared L2 norm in chunks: no full-size temporary (the offloaded shard of a 7B model is 27 GB).
-  static at::Tensor sum_of_squares(const at::Tensor& t) {
-    const int64_t n = t.numel(), chunk = int64_t(1) << 26;
-    at::Tensor acc = at::zeros({}, t.options().dtype(at::kDouble));
-    for (int64_t off = 0; off < n; off += chunk) acc += t.narrow(0, off, std::min(chunk, n - off)).to(at::kDouble).pow(2).sum();
-    return acc.to(at::kFloat);
-  }
+  // Squared L2 norm: one reduction pass, no full-size temporary (the offloaded shard of a 7B
+  // model is 27 GB); inf / nan gradients give a non-finite norm.
+  static at::Tensor sum_of_squares(const at::Tensor& t) { return at::norm(t).square(); }
 
   // ZeRO-Offload's step on the host, chunk by chunk, each chunk's updated parameters written in
   // the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam

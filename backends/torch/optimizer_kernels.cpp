@@ -2,12 +2,31 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 #include <ATen/Parallel.h>
 #include "backends/torch/torch_compat.hpp"
 
 namespace dssim::tb {
 
 namespace {
+
+// body(begin, end) over [0, n) on at::get_num_threads() threads. (at::parallel_for's OpenMP
+// path is a pragma in a header: compiled here without -fopenmp it would run on one thread, and
+// linking a second OpenMP runtime next to libtorch's is worse.)
+template <class F>
+void parallel_range(int64_t n, const F& body) {
+  const int64_t grain = int64_t(1) << 16;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain)));
+  if (threads == 1) return body(int64_t(0), n);
+  std::vector<std::thread> pool;
+  const int64_t per = (n + threads - 1) / threads;
+  for (int t = 0; t < threads; ++t) {
+    const int64_t b = t * per, e = std::min(n, b + per);
+    if (b < e) pool.emplace_back([&body, b, e] { body(b, e); });
+  }
+  for (auto& th : pool) th.join();
+}
 
 template <class T16>
 void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
@@ -17,7 +36,7 @@ void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t 
   const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
   const float step_size = float(h.lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
   (void)lr;
-  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+  parallel_range(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i];
       const float mi = m[i] + (gi - m[i]) * (1.0f - b1);
@@ -77,7 +96,7 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
 namespace {
 template <class T>
 void accumulate_loop(float* acc, const T* src, int64_t n, float scale) {
-  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+  parallel_range(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) acc[i] += scale * float(src[i]);
   });
 }

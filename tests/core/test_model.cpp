@@ -24,6 +24,11 @@ const LayerOp& find_op(const std::vector<LayerOp>& ops, const std::string& name)
   FAIL("no op named " << name);
   return ops.front();
 }
+bool has_op(const std::vector<LayerOp>& ops, const std::string& name) {
+  for (const auto& op : ops)
+    if (op.name == name) return true;
+  return false;
+}
 
 }  // namespace
 
@@ -146,7 +151,12 @@ TEST_CASE("layer forward ops: shapes, FLOPs and bytes after the TP split", "[mod
   const OpsCost head = sum_cost(head_forward_ops(m, shape));
   const double fwd = model_flops_per_iteration(m, 1) / 3;
   CHECK((layer.gemm_flops * m.layers + head.gemm_flops) * t == Approx(fwd));
-  CHECK(layer.kernels == static_cast<int>(ops.size()));
+  // Forward kernels: every op but the three backward-only ones (layout copies, bias gradients,
+  // gradient accumulation).
+  int backward_only = 0;
+  for (const auto& op : ops) backward_only += op.backward_only;
+  CHECK(backward_only == 3);
+  CHECK(layer.kernels == static_cast<int>(ops.size()) - 3);
 
   // Sequence parallelism moves LayerNorm / dropout to s/t tokens, GEMMs unchanged.
   LayerShape sp = shape;
@@ -166,8 +176,30 @@ TEST_CASE("backward and recompute costs", "[model]") {
   const OpsCost fwd = sum_cost(ops);
   const OpsCost bwd = backward_cost(ops);
   CHECK(bwd.gemm_flops == Approx(2 * fwd.gemm_flops));
-  CHECK(bwd.memory_bytes == Approx(2 * fwd.memory_bytes));
   CHECK(bwd.kernels > fwd.kernels);
+  // Backward bytes: GEMMs 2x; LayerNorm 5 e N (dx, then dgain / dbias re-reading dy and x), GELU
+  // 3 e N, dropout + residual (5 e + 1) N, the rest 2x the forward; plus the backward-only ops:
+  // layout copies 2 e x 7 T h, bias gradients e T (3h + h + f + h), gradient accumulation 3 e per
+  // parameter.
+  {
+    const double T = 4 * 2048.0, h = 1024, f = 4 * h, e = 2;
+    double expect = 0;
+    for (const auto& op : ops) {
+      if (op.gemm) expect += 2 * op.memory_bytes;
+      else if (op.name.rfind("layernorm", 0) == 0) expect += 5 * e * T * h;
+      else if (op.name == "gelu") expect += 3 * e * T * f;
+      else if (op.name.rfind("dropout_residual", 0) == 0) expect += (5 * e + 1) * T * h;
+      else if (!op.backward_only) expect += 2 * op.memory_bytes;
+    }
+    expect += 2 * e * 7 * T * h + e * T * (5 * h + f) + 3 * e * dense_layer_params(m);
+    CHECK(bwd.memory_bytes == Approx(expect));
+  }
+  // Without dropout the residual's backward is the gradient sum at the fork: 3 e N.
+  ModelSpec plain = m;
+  plain.dropout = 0;
+  const auto plain_ops = layer_forward_ops(plain, shape);
+  CHECK(find_op(plain_ops, "residual_1").backward_memory_bytes() == Approx(3 * 2 * 4 * 2048.0 * 1024));
+  CHECK_FALSE(has_op(plain_ops, "attention_dropout"));
 
   CHECK(recompute_cost(ops, Recompute::none).flops == 0);
   CHECK(recompute_cost(ops, Recompute::full).flops == Approx(fwd.flops));
