@@ -104,11 +104,25 @@ std::optional<double> interpolate(const std::vector<Sample>& s, std::vector<doub
 
 double lg(double v) { return std::log2(std::max(v, 1e-300)); }
 
+// One sample per byte count: rows of equal bytes (shapes of one size, T x h = 4096 x 8192 and
+// 32768 x 1024; or several dtypes standing in) count as one point at the geometric mean of their
+// rates; a byte count measured once comes back exactly.
 std::vector<Sample> bandwidth_samples(const std::vector<BandwidthPoint>& rows, const std::string& op,
                                       const Dtype* dtype) {
-  std::vector<Sample> s;
+  std::map<double, std::vector<double>> by_bytes;
   for (const auto& r : rows)
-    if (r.op == op && (!dtype || r.dtype == *dtype)) s.push_back({{lg(r.bytes)}, lg(r.bytes_per_second), r.bytes_per_second});
+    if (r.op == op && (!dtype || r.dtype == *dtype)) by_bytes[r.bytes].push_back(r.bytes_per_second);
+  std::vector<Sample> s;
+  for (const auto& [bytes, rates] : by_bytes) {
+    if (rates.size() == 1) {
+      s.push_back({{lg(bytes)}, lg(rates[0]), rates[0]});
+      continue;
+    }
+    double log_sum = 0;
+    for (double r : rates) log_sum += lg(r);
+    const double log_mean = log_sum / double(rates.size());
+    s.push_back({{lg(bytes)}, log_mean, std::exp2(log_mean)});
+  }
   return s;
 }
 
@@ -199,8 +213,13 @@ std::vector<Row> rows(const Ctx& c, const YAML::Node& root, const std::string& n
 }
 
 const std::vector<std::string> kGemmPasses = {"forward", "dgrad", "wgrad"};
+const std::vector<std::string> kAttentionKernels = {"flash", "plain", "flash_backward"};
+const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw",
+                                                  "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
+                                                  "cross_entropy_backward", "embedding_backward"};
 // Elementwise families that stand in for one another (gelu / layer_norm -> add); the optimizer
-// rows are whole sequences of kernels with their own byte conventions and have no stand-in.
+// rows and the backward-pass kernels (layer_norm_backward ... embedding_backward) have their own
+// byte conventions and no stand-in.
 bool add_stands_in_for(const std::string& op) { return op == "gelu" || op == "layer_norm"; }
 
 const std::vector<std::string> kCollectives = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"};
@@ -367,7 +386,7 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
                                      {"kernel", "dtype", "batch_heads", "seq_len", "head_dim", "causal", "flops_per_second", "seconds"},
                                      [&](const std::string& key, const YAML::Node& r) {
     AttentionPoint a;
-    a.kernel = get_enum(c, key + ".kernel", required(c, key, r, "kernel"), {"flash", "plain"});
+    a.kernel = get_enum(c, key + ".kernel", required(c, key, r, "kernel"), kAttentionKernels);
     a.dtype = get_dtype(c, key + ".dtype", required(c, key, r, "dtype"));
     a.batch_heads = get_positive(c, key + ".batch_heads", required(c, key, r, "batch_heads"));
     a.seq_len = get_positive(c, key + ".seq_len", required(c, key, r, "seq_len"));
@@ -393,7 +412,7 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
       return b;
     });
   };
-  p.elementwise = bandwidth_rows("elementwise", "op", {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw"}, true);
+  p.elementwise = bandwidth_rows("elementwise", "op", kElementwiseOps, true);
   p.copy = bandwidth_rows("copy", "direction", {"h2d", "d2h"}, false);
   p.collectives = rows<CollectivePoint>(c, root, "collectives",
                                         {"collective", "ranks", "bytes", "seconds", "algorithm_bandwidth", "bus_bandwidth"},
@@ -503,7 +522,9 @@ std::string to_yaml(const DeviceProfile& p) {
     for (const auto& b : rows) {
       y << YAML::Flow << YAML::BeginMap << YAML::Key << op_key << YAML::Value << b.op;
       if (with_dtype) y << YAML::Key << "dtype" << YAML::Value << to_string(b.dtype);
-      y << YAML::Key << "bytes" << YAML::Value << b.bytes << YAML::Key << "bytes_per_second" << YAML::Value << b.bytes_per_second;
+      // Byte counts exactly (a whole number, up to ~1e11: the row's convention stays checkable).
+      y << YAML::Key << "bytes" << YAML::Value << YAML::DoublePrecision(15) << b.bytes;
+      y << YAML::Key << "bytes_per_second" << YAML::Value << b.bytes_per_second;
       y << YAML::EndMap;
     }
     y << YAML::EndSeq;
@@ -556,13 +577,13 @@ std::string device_profile_summary(const DeviceProfile& p) {
   if (!m.cuda_version.empty()) o << ", CUDA " << m.cuda_version;
   o << ", " << m.gpus << " GPU" << (m.gpus == 1 ? "" : "s") << "), " << m.date << "\n";
   char line[160];
-  std::snprintf(line, sizeof line, "%-28s %5s %10s %10s %10s  %s\n", "table", "rows", "min", "median", "max", "unit");
+  std::snprintf(line, sizeof line, "%-30s %5s %10s %10s %10s  %s\n", "table", "rows", "min", "median", "max", "unit");
   o << line;
   for (const auto& name : order) {
     auto v = groups[name].v;
     std::sort(v.begin(), v.end());
     const double s = groups[name].scale;
-    std::snprintf(line, sizeof line, "%-28s %5zu %10.4g %10.4g %10.4g  %s\n", name.c_str(), v.size(), v.front() / s,
+    std::snprintf(line, sizeof line, "%-30s %5zu %10.4g %10.4g %10.4g  %s\n", name.c_str(), v.size(), v.front() / s,
                   v[v.size() / 2] / s, v.back() / s, groups[name].unit.c_str());
     o << line;
   }

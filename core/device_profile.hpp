@@ -12,7 +12,14 @@
 //    counted as dssim's model counts them, 4 * batch * heads * s^2 * head_dim (no causal halving).
 //  - Backward GEMMs of a linear layer (dgrad dX = dY W, wgrad dW = dY^T X): rows with `pass`
 //    dgrad / wgrad, kept at the forward op's (m, n, k); looked up only among rows of that pass.
-//  - Elementwise / LayerNorm, host <-> device copies: bytes/s over the bytes moved, log-linear.
+//  - Fused attention backward (kernel flash_backward: dQ, dK, dV of the flash kernel via autograd):
+//    FLOP/s over the same axes and with the same FLOP count as flash, so flash / flash_backward =
+//    backward / forward time.
+//  - Elementwise / LayerNorm, host <-> device copies: bytes/s over the bytes moved, log-linear;
+//    rows of equal bytes count as one point at the geometric mean of their rates.
+//  - Backward-pass kernels (elementwise ops layer_norm_backward, gelu_backward, bias_grad,
+//    cross_entropy, cross_entropy_backward, embedding_backward): bytes/s over the byte conventions
+//    of BandwidthPoint below; no fallback to add's rows (nullopt when not measured).
 //  - The optimizer step (elementwise op optimizer_step: the engine's fold + fused AdamW + clear +
 //    publish, 50 bytes per parameter) and the host AdamW of CPU offload (host_adamw, 30 bytes per
 //    parameter): bytes/s over those byte counts; no fallback to add's rows.
@@ -59,7 +66,9 @@ struct GemmPoint {            // C[m x n] = A[m x k] B[k x n]
 };
 
 struct AttentionPoint {
-  std::string kernel;         // flash (fused, scaled_dot_product_attention) | plain (matmul-softmax-matmul)
+  // flash (fused, scaled_dot_product_attention) | plain (matmul-softmax-matmul) | flash_backward
+  // (the flash kernel's backward, autograd (forward + backward) - forward; FLOPs counted as flash's)
+  std::string kernel;
   Dtype dtype = Dtype::bf16;
   double batch_heads = 0, seq_len = 0, head_dim = 0;
   bool causal = true;
@@ -68,11 +77,20 @@ struct AttentionPoint {
 };
 
 struct BandwidthPoint {       // memory-bound kernels and copies
-  // elementwise: add | gelu | layer_norm | optimizer_step | host_adamw; copies: h2d | d2h.
+  // elementwise: add | gelu | layer_norm | optimizer_step | host_adamw | layer_norm_backward |
+  // gelu_backward | bias_grad | cross_entropy | cross_entropy_backward | embedding_backward;
+  // copies: h2d | d2h.
   // optimizer_step: the engine's GPU step per parameter (backends/torch/optimizer_kernels.hpp),
   // bytes = 50 per parameter, dtype = the 16-bit dtype of the gradients / published weights.
   // host_adamw: adamw_step on host fp32 tensors writing a bf16 copy, bytes = 30 per parameter
   // (read 16, write 12 + 2), dtype fp32.
+  // Backward-pass kernels, e = the dtype's element size, N = the tensor's elements:
+  //   layer_norm_backward  (dx, dgain, dbias) of x [T x h]                  bytes = 5 e N
+  //   gelu_backward        (tanh) on [T x 4h]                               bytes = 3 e N
+  //   bias_grad            dy.sum(0) of dy [T x n]                          bytes = e T n
+  //   cross_entropy        forward, 16-bit logits [T x V] cast to fp32      bytes = (e + 16) T V
+  //   cross_entropy_backward  its backward, cast back to 16-bit included    bytes = (24 + e) T V
+  //   embedding_backward   w [V x h], tokens [T], a fresh weight gradient   bytes = 2 e T h + 2 e V h
   std::string op;
   Dtype dtype = Dtype::bf16;  // unused for copies
   double bytes = 0;           // bytes read + written (copies: bytes copied)
@@ -106,8 +124,8 @@ struct DeviceProfile {
                                               GemmPass pass = GemmPass::forward) const;
   std::optional<double> attention_flops_per_second(const std::string& kernel, Dtype, double batch_heads,
                                                    double seq_len, double head_dim) const;
-  // `op`: add | gelu | layer_norm | optimizer_step | host_adamw. gelu / layer_norm with no rows of
-  // their own use add's; optimizer_step and host_adamw use only their own (nullopt without).
+  // `op`: an elementwise op of BandwidthPoint. gelu / layer_norm with no rows of their own use
+  // add's; every other op uses only its own (nullopt without).
   std::optional<double> elementwise_bytes_per_second(const std::string& op, Dtype, double bytes) const;
   std::optional<double> copy_bytes_per_second(const std::string& direction, double bytes) const;
   std::optional<double> bus_bandwidth(const std::string& collective, int ranks, double bytes) const;

@@ -2,11 +2,13 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -103,6 +105,35 @@ class Timer {
 #endif
 };
 
+// An autograd-only kernel: (forward + backward) - forward, each timed with the Timer on its own
+// (grad mode on, so the forward saves what training saves), at least kMinBackwardShare of the
+// forward + backward time (on tiny CPU shapes the difference can drown in noise; `clamped` says so).
+constexpr double kMinBackwardShare = 0.02;
+
+struct AutogradSeconds {
+  double forward = 0, backward = 0;
+  bool clamped = false;
+};
+
+AutogradSeconds autograd_seconds(Timer& timer, const std::function<void()>& forward,
+                                 const std::function<void()>& forward_backward, double budget) {
+  AutogradSeconds t;
+  t.forward = timer.measure(forward, budget);
+  const double both = timer.measure(forward_backward, budget);
+  t.backward = both - t.forward;
+  if (!(t.backward > kMinBackwardShare * both)) {
+    t.backward = kMinBackwardShare * both;
+    t.clamped = true;
+  }
+  return t;
+}
+
+std::string first_line(const char* what) {
+  std::string s = what;
+  const auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
 struct Grid {
   std::vector<int> hidden, tokens, tp;
   std::vector<int> seq, head_dim, batch_heads;
@@ -111,6 +142,11 @@ struct Grid {
   std::vector<int64_t> host_adamw; // parameters of the host AdamW (CPU offload)
   std::vector<int64_t> copy_bytes;
   std::vector<int64_t> collective_bytes;
+  // Backward-pass kernels besides the GEMMs: layer_norm_backward [T x h], gelu_backward [T x 4h],
+  // bias_grad [T x n] for n in {h, 3h, 4h}; cross_entropy(_backward) [T x V]; embedding_backward.
+  std::vector<int64_t> bwd_hidden, bwd_tokens;
+  std::vector<int64_t> ce_tokens, ce_vocab;
+  std::vector<int64_t> emb_vocab, emb_hidden, emb_tokens;
 };
 
 Grid grid(bool cuda, bool quick) {
@@ -127,6 +163,13 @@ Grid grid(bool cuda, bool quick) {
     g.host_adamw = {1 << 12, 1 << 16};
     g.copy_bytes = {1 << 16, 1 << 20};
     g.collective_bytes = {1 << 20, 1 << 24};
+    g.bwd_hidden = {64, 256};
+    g.bwd_tokens = {32, 256};
+    g.ce_tokens = {32, 256};
+    g.ce_vocab = {512, 2048};
+    g.emb_vocab = {1024};
+    g.emb_hidden = {64, 256};
+    g.emb_tokens = {32, 256};
   } else if (cuda) {
     // Issue 4's ranges: hidden 1024-16384, tokens 512-16384, TP 1-8 (about 550 distinct GEMMs).
     g.hidden = {1024, 2048, 4096, 6144, 8192, 12288, 16384};
@@ -142,6 +185,15 @@ Grid grid(bool cuda, bool quick) {
     for (int e = 22; e <= 27; ++e) g.host_adamw.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.copy_bytes.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.collective_bytes.push_back(int64_t(1) << e);
+    // The transformer's widths at 4K-32K tokens: up to 32768 x 32768 (gelu_backward, 6.4 GB) and
+    // 32768 x 51200 logits (cross-entropy: fp32 [T x V] tensors of 6.7 GB, ~30 GB at its peak).
+    g.bwd_hidden = {1024, 2048, 4096, 8192};
+    g.bwd_tokens = {4096, 16384, 32768};
+    g.ce_tokens = {4096, 16384, 32768};
+    g.ce_vocab = {32000, 51200};
+    g.emb_vocab = {51200};
+    g.emb_hidden = {1024, 2048, 4096};
+    g.emb_tokens = {4096, 16384};
   } else {  // a full CPU calibration: small transformer sizes
     g.hidden = {256, 512, 1024, 2048};
     g.tokens = {128, 512, 2048};
@@ -152,6 +204,13 @@ Grid grid(bool cuda, bool quick) {
     for (int e = 12; e <= 24; e += 3) g.elements.push_back(int64_t(1) << e);
     for (int e = 16; e <= 22; e += 2) g.optimizer.push_back(int64_t(1) << e);
     for (int e = 16; e <= 24; e += 2) g.host_adamw.push_back(int64_t(1) << e);
+    g.bwd_hidden = {256, 1024};
+    g.bwd_tokens = {512, 2048};
+    g.ce_tokens = {512, 2048};
+    g.ce_vocab = {8192};
+    g.emb_vocab = {8192};
+    g.emb_hidden = {256, 1024};
+    g.emb_tokens = {512, 2048};
   }
   return g;
 }
@@ -291,6 +350,62 @@ void measure_attention(const CalibrateOptions& o, const Grid& g, const at::Devic
                                " has no scaled_dot_product_attention: attention measured as matmul-softmax-matmul (plain) only");
 }
 
+// Backward of the flash rows' kernel: the same causal at::scaled_dot_product_attention call on the
+// same (batch_heads, seq_len, head_dim) grid, its backward (dQ, dK, dV via autograd) timed as
+// (forward + backward) - forward. Rows `flash_backward`, FLOP/s = 4 bh s^2 d / backward seconds:
+// the forward rows' FLOP count, so flash rate / flash_backward rate = backward / forward time.
+// Only where the flash rows are measured (libtorch >= 2.0).
+void measure_attention_backward(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer,
+                                DeviceProfile& p) {
+  if (!flash_attention_available()) return;  // measure_attention's note says why
+  const double budget = o.seconds_per_point / 2;
+  at::AutoGradMode enable_grad(true);
+  for (Dtype dtype : o.dtypes) {
+    const auto t0 = Clock::now();
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    std::vector<double> ratio;  // backward / forward time
+    int clamped = 0;
+    std::string failed;
+    try {
+      for (int bh : g.batch_heads)
+        for (int s : g.seq)
+          for (int d : g.head_dim) {
+            at::Tensor q = at::randn({1, bh, s, d}, opts).requires_grad_(true);
+            at::Tensor k = at::randn({1, bh, s, d}, opts).requires_grad_(true);
+            at::Tensor v = at::randn({1, bh, s, d}, opts).requires_grad_(true);
+            at::Tensor dout = at::randn({1, bh, s, d}, opts);
+            const auto t = autograd_seconds(
+                timer, [&] { (void)causal_attention(q, k, v); },
+                [&] {
+                  at::Tensor out = causal_attention(q, k, v);
+                  (void)torch::autograd::grad({out}, {q, k, v}, {dout});
+                },
+                budget);
+            AttentionPoint a;
+            a.kernel = "flash_backward";
+            a.dtype = dtype;
+            a.batch_heads = bh, a.seq_len = s, a.head_dim = d;
+            a.causal = true;
+            a.seconds = t.backward;
+            a.flops_per_second = 4.0 * bh * double(s) * s * d / t.backward;
+            p.attention.push_back(a);
+            ratio.push_back(t.backward / t.forward);
+            clamped += t.clamped;
+          }
+    } catch (const std::exception& err) {
+      failed = first_line(err.what());
+    }
+    const std::string name = "attention " + std::string(to_string(dtype)) + " flash_backward";
+    if (!failed.empty()) p.metadata.notes.push_back(name + ": stopped after " + std::to_string(ratio.size()) + " points: " + failed);
+    if (clamped)
+      p.metadata.notes.push_back(name + ": " + std::to_string(clamped) + " points clamped at 2% of forward + backward (noise)");
+    std::sort(ratio.begin(), ratio.end());
+    say(o, name + " (autograd dQ, dK, dV: forward + backward - forward): " + std::to_string(ratio.size()) +
+               " points, backward / forward time: median " + fmt(ratio.empty() ? 0.0 : ratio[ratio.size() / 2], "x") +
+               (failed.empty() ? "" : ", FAILED: " + failed) + " (" + fmt(seconds_since(t0), "s") + ")");
+  }
+}
+
 void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
   for (Dtype dtype : o.dtypes) {
     const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
@@ -316,6 +431,137 @@ void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Dev
     }
     say(o, "elementwise " + std::string(to_string(dtype)) + ": add, gelu, layer_norm over " + std::to_string(g.elements.size()) +
                " sizes, best " + fmt(best / 1e9, "GB/s"));
+  }
+}
+
+// The backward pass's kernels other than the GEMMs and attention, as the engine runs them
+// (PyTorch ops on the device, back to back). `elementwise` rows of each calibrated dtype, bytes by
+// the simulator's conventions (e = the dtype's element size, N = T x width):
+//   layer_norm_backward     at::native_layer_norm_backward (dx, dgain, dbias) of x [T x h]  5 e N
+//   gelu_backward           at::gelu_backward(dy, x, "tanh") on [T x 4h]                    3 e N
+//   bias_grad               dy.sum(0) of dy [T x n], n in {h, 3h, 4h} (a linear's bias)      e T n
+//   cross_entropy           the engine's loss, cross_entropy_loss(logits.view(-1, V).to(fp32), targets),
+//                           forward, logits [T x V] of the dtype requiring grad               (e + 16) T V
+//   cross_entropy_backward  its autograd backward, the cast back to the dtype included       (24 + e) T V
+//   embedding_backward      autograd backward of at::embedding(w [V x h], tokens [T]) into a fresh
+//                           gradient (no .grad allocated before)                             2 e T h + 2 e V h
+// The autograd ones are (forward + backward) - forward (autograd_seconds); each timing gets half
+// the --seconds-per-point budget.
+void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer,
+                              DeviceProfile& p) {
+  const double budget = o.seconds_per_point / 2;
+  for (Dtype dtype : o.dtypes) {
+    const auto t0 = Clock::now();
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    const auto longs = opts.dtype(at::kLong);
+    const double e = bytes_of(dtype);
+    const std::string dt = to_string(dtype);
+    std::vector<std::string> order;
+    std::map<std::string, std::pair<int, double>> made;  // op -> rows, best bytes/s
+    int clamped = 0;
+    auto record = [&](const char* op, double bytes, double sec) {
+      BandwidthPoint r;
+      r.op = op;
+      r.dtype = dtype;
+      r.bytes = bytes;
+      r.bytes_per_second = bytes / sec;
+      p.elementwise.push_back(r);
+      if (!made.count(op)) order.push_back(op);
+      auto& m = made[op];
+      ++m.first;
+      m.second = std::max(m.second, r.bytes_per_second);
+    };
+    // One kernel family; a failure (a kernel this libtorch lacks for the dtype, out of memory)
+    // keeps the rows measured so far and becomes a note, not the end of the calibration.
+    std::vector<std::string> failures;
+    auto family = [&](const char* op, const std::function<void()>& body) {
+      try {
+        body();
+      } catch (const std::exception& err) {
+        failures.push_back(std::string(op) + ": " + first_line(err.what()));
+        p.metadata.notes.push_back(std::string(op) + " " + dt + ": not (fully) measured: " + first_line(err.what()));
+      }
+    };
+
+    family("layer_norm_backward", [&] {
+      for (int64_t h : g.bwd_hidden)
+        for (int64_t t : g.bwd_tokens) {
+          const std::vector<int64_t> shape{h};
+          at::Tensor x = at::randn({t, h}, opts), dy = at::randn({t, h}, opts);
+          at::Tensor gain = at::ones({h}, opts), bias = at::zeros({h}, opts);
+          const auto stats = at::native_layer_norm(x, shape, gain, bias, 1e-5);
+          const at::Tensor mean = std::get<1>(stats), rstd = std::get<2>(stats);
+          record("layer_norm_backward", 5 * e * double(t) * h, timer.measure([&] {
+            (void)at::native_layer_norm_backward(dy, x, shape, mean, rstd, gain, bias, std::array<bool, 3>{{true, true, true}});
+          }, budget));
+        }
+    });
+    family("gelu_backward", [&] {
+      for (int64_t h : g.bwd_hidden)
+        for (int64_t t : g.bwd_tokens) {
+          at::Tensor x = at::randn({t, 4 * h}, opts), dy = at::randn({t, 4 * h}, opts);
+          record("gelu_backward", 3 * e * double(t) * 4 * h,
+                 timer.measure([&] { (void)at::gelu_backward(dy, x, "tanh"); }, budget));
+        }
+    });
+    family("bias_grad", [&] {
+      std::set<std::pair<int64_t, int64_t>> shapes;  // (T, n): 4h of h = 1024 is h of 4096
+      for (int64_t h : g.bwd_hidden)
+        for (int64_t t : g.bwd_tokens)
+          for (int64_t n : {h, 3 * h, 4 * h}) shapes.insert({t, n});
+      for (const auto& [t, n] : shapes) {
+        at::Tensor dy = at::randn({t, n}, opts);
+        record("bias_grad", e * double(t) * n, timer.measure([&] { (void)dy.sum(0); }, budget));
+      }
+    });
+    family("cross_entropy", [&] {
+      at::AutoGradMode enable_grad(true);
+      for (int64_t t : g.ce_tokens)
+        for (int64_t v : g.ce_vocab) {
+          at::Tensor logits = at::randn({t, v}, opts).requires_grad_(true);
+          at::Tensor targets = at::empty({t}, longs).random_(0, v);
+          auto loss = [&] { return at::cross_entropy_loss(logits.view({-1, v}).to(at::kFloat), targets); };
+          const auto s = autograd_seconds(
+              timer, [&] { (void)loss(); },
+              [&] {
+                at::Tensor l = loss();
+                (void)torch::autograd::grad({l}, {logits});
+              },
+              budget);
+          record("cross_entropy", (e + 16) * double(t) * v, s.forward);
+          record("cross_entropy_backward", (24 + e) * double(t) * v, s.backward);
+          clamped += s.clamped;
+        }
+    });
+    family("embedding_backward", [&] {
+      at::AutoGradMode enable_grad(true);
+      for (int64_t v : g.emb_vocab)
+        for (int64_t h : g.emb_hidden)
+          for (int64_t t : g.emb_tokens) {
+            at::Tensor w = at::randn({v, h}, opts).requires_grad_(true);
+            at::Tensor tokens = at::empty({t}, longs).random_(0, v);
+            at::Tensor dy = at::randn({t, h}, opts);
+            const auto s = autograd_seconds(
+                timer, [&] { (void)at::embedding(w, tokens); },
+                [&] {
+                  at::Tensor y = at::embedding(w, tokens);
+                  (void)torch::autograd::grad({y}, {w}, {dy});
+                },
+                budget);
+            record("embedding_backward", 2 * e * double(t) * h + 2 * e * double(v) * h, s.backward);
+            clamped += s.clamped;
+          }
+    });
+
+    if (clamped)
+      p.metadata.notes.push_back("backward kernels " + dt + ": " + std::to_string(clamped) +
+                                 " autograd rows clamped at 2% of forward + backward (noise)");
+    std::string line = "elementwise " + dt + " backward kernels:";
+    for (size_t i = 0; i < order.size(); ++i)
+      line += (i ? ", " : " ") + order[i] + " " + std::to_string(made[order[i]].first) + " up to " +
+              fmt(made[order[i]].second / 1e9, "GB/s");
+    for (const auto& f : failures) line += "; FAILED " + f;
+    say(o, line + " (" + fmt(seconds_since(t0), "s") + ")");
   }
 }
 
@@ -570,7 +816,9 @@ DeviceProfile calibrate(const CalibrateOptions& in) {
   const auto t0 = Clock::now();
   measure_gemms(o, g, dev, timer, p);
   measure_attention(o, g, dev, timer, p);
+  measure_attention_backward(o, g, dev, timer, p);
   measure_elementwise(o, g, dev, timer, p);
+  measure_backward_kernels(o, g, dev, timer, p);
   measure_optimizer_step(o, g, dev, timer, p);
   measure_host_adamw(o, g, p, cpu_name());
   measure_copies(o, g, dev, timer, p);

@@ -3,7 +3,10 @@
 // GEMMs of a transformer layer (QKV, attention projection, MLP up / down) over hidden sizes, token
 // counts and TP splits, each in its forward (y = x W^T) and backward (dgrad dX = dY W, wgrad
 // dW = dY^T X) layout; attention (scaled_dot_product_attention where the libtorch has it, recorded
-// as "flash", and matmul-softmax-matmul, "plain"); add / gelu / layer_norm bandwidth; the engine's
+// as "flash", and matmul-softmax-matmul, "plain"), and the flash kernel's backward via autograd
+// ("flash_backward"); add / gelu / layer_norm bandwidth; the backward pass's other kernels
+// (layer_norm_backward, gelu_backward, bias_grad, cross_entropy and its backward,
+// embedding_backward; (forward + backward) - forward where only autograd runs them); the engine's
 // optimizer step (backends/torch/optimizer_kernels.hpp) on the device and AdamW on the host (CPU
 // offload); pinned host <-> device copies; NCCL collectives when several GPUs are visible
 // (nccl-tests bus bandwidth).

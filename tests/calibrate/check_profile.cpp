@@ -1,8 +1,13 @@
 // dssim_check_profile FILE [--expect-backend B]: loads a device profile with core's loader,
 // checks what `dssim calibrate` must always write, prints the summary. Exit 0 ok, 1 otherwise.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <string>
+#include <tuple>
+#include <vector>
 #include "core/device_profile.hpp"
 #include "core/scenario_loader.hpp"
 
@@ -56,6 +61,61 @@ int main(int argc, char** argv) {
     }
     require(step_rows >= 2, "optimizer_step rows");
     require(host_rows >= 2, "host_adamw rows");
+    // The backward-pass kernels: rows of each op, byte counts that follow the simulator's
+    // conventions (e = the dtype's element size), lookups that answer on every row and never
+    // through add's rows.
+    const std::vector<std::string> backward_ops = {"layer_norm_backward", "gelu_backward", "bias_grad",
+                                                   "cross_entropy", "cross_entropy_backward", "embedding_backward"};
+    std::map<std::string, std::multiset<double>> units;  // op -> bytes / (per-element factor), per dtype
+    for (const auto& e : p.elementwise) {
+      if (std::find(backward_ops.begin(), backward_ops.end(), e.op) == backward_ops.end()) continue;
+      require(std::isfinite(e.bytes_per_second) && e.bytes_per_second > 0, "backward kernel rows: a positive rate");
+      const double b = dssim::bytes_of(e.dtype);
+      const double per = e.op == "layer_norm_backward"      ? 5 * b
+                         : e.op == "gelu_backward"          ? 3 * b
+                         : e.op == "bias_grad"              ? b
+                         : e.op == "cross_entropy"          ? b + 16
+                         : e.op == "cross_entropy_backward" ? 24 + b
+                                                            : 2 * b;  // embedding_backward: 2 e (T + V) h
+      const double n = e.bytes / per;
+      require(n == std::floor(n) && n >= 256, "backward kernel rows: bytes follow the op's convention (whole elements)");
+      std::string key = e.op + " " + dssim::to_string(e.dtype);
+      units[key].insert(n);
+      // One lookup per row: exact where the row is the only one of its bytes, else the geometric
+      // mean of the rows of those bytes (between their min and max).
+      double lo = e.bytes_per_second, hi = e.bytes_per_second;
+      for (const auto& o : p.elementwise)
+        if (o.op == e.op && o.dtype == e.dtype && o.bytes == e.bytes) lo = std::min(lo, o.bytes_per_second), hi = std::max(hi, o.bytes_per_second);
+      const auto r = p.elementwise_bytes_per_second(e.op, e.dtype, e.bytes);
+      require(r && *r >= lo * (1 - 1e-12) && *r <= hi * (1 + 1e-12), "backward kernel rows: lookup answers on its table points");
+      if (lo == hi) require(*r == e.bytes_per_second, "backward kernel rows: lookup exact on a row of unique bytes");
+    }
+    for (dssim::Dtype d : {dssim::Dtype::fp32, dssim::Dtype::fp16, dssim::Dtype::bf16}) {
+      const std::string dt = dssim::to_string(d);
+      bool any = false;
+      for (const auto& op : backward_ops) any |= units.count(op + " " + dt) > 0;
+      if (!any) continue;
+      for (const auto& op : backward_ops)
+        require(units[op + " " + dt].size() >= 2, ("backward kernel rows: >= 2 rows of " + op + " " + dt).c_str());
+      // The forward and the backward of the cross-entropy are timed on the same (T, V) shapes.
+      require(units["cross_entropy " + dt] == units["cross_entropy_backward " + dt],
+              "cross_entropy and cross_entropy_backward rows: the same T x V shapes ((e + 16) T V and (24 + e) T V bytes)");
+    }
+    require(!units.empty(), "backward kernel rows (layer_norm_backward ... embedding_backward)");
+    // flash_backward: one row per flash row (same dtype and grid), none without flash rows.
+    std::multiset<std::tuple<int, double, double, double>> flash, flash_bwd;
+    for (const auto& a : p.attention) {
+      const auto k = std::make_tuple(static_cast<int>(a.dtype), a.batch_heads, a.seq_len, a.head_dim);
+      if (a.kernel == "flash") flash.insert(k);
+      if (a.kernel == "flash_backward") {
+        flash_bwd.insert(k);
+        const auto r = p.attention_flops_per_second("flash_backward", a.dtype, a.batch_heads, a.seq_len, a.head_dim);
+        require(r && *r == a.flops_per_second, "flash_backward lookup exact on its table points");
+        require(a.seconds > 0 && std::abs(a.flops_per_second * a.seconds / (4 * a.batch_heads * a.seq_len * a.seq_len * a.head_dim) - 1) < 1e-5,
+                "flash_backward rows: FLOP/s = 4 bh s^2 d / seconds (the flash rows' count)");
+      }
+    }
+    require(flash == flash_bwd, "a flash_backward row per flash row (and none without flash rows)");
     bool host_note = false;
     for (const auto& n : p.metadata.notes) host_note |= n.rfind("host_adamw:", 0) == 0 && n.find(" on ") != std::string::npos;
     require(host_note, "a note says which host CPU host_adamw ran on");

@@ -19,7 +19,9 @@ case "$CASE" in
     ls | grep -q '\.tmp\.' && fail "temporary file left behind"
     grep -q "wrote tmp.yaml" out || fail "no 'wrote' line"
     grep -qE "^gemm fp32 +[0-9]+" out || fail "summary lacks the gemm row"
-    for row in "gemm dgrad fp32" "gemm wgrad fp32" "optimizer_step bf16" "host_adamw fp32"; do
+    for row in "gemm dgrad fp32" "gemm wgrad fp32" "optimizer_step bf16" "host_adamw fp32" \
+               "layer_norm_backward fp32" "gelu_backward fp32" "bias_grad fp32" "cross_entropy fp32" \
+               "cross_entropy_backward fp32" "embedding_backward fp32"; do
       grep -qE "^$row +[0-9]+" out || fail "summary lacks the '$row' row"
     done
     grep -qE "^calibrate: gemm fp32 backward .*dgrad.*wgrad" err || fail "no progress line for the backward gemms"
@@ -27,6 +29,20 @@ case "$CASE" in
     grep -qE "^calibrate: host adamw .*GB/s" err || fail "no progress line for the host adamw"
     grep -qE "pass: dgrad" tmp.yaml && grep -qE "pass: wgrad" tmp.yaml || fail "no dgrad / wgrad rows in the profile"
     grep -qE "op: optimizer_step" tmp.yaml && grep -qE "op: host_adamw" tmp.yaml || fail "no optimizer_step / host_adamw rows"
+    grep -qE "^calibrate: elementwise fp32 backward kernels: layer_norm_backward .*embedding_backward [0-9]+ up to .*GB/s" err \
+      || fail "no progress line for the backward kernels"
+    grep -q "FAILED" err && fail "a calibration section failed"
+    for op in layer_norm_backward gelu_backward bias_grad cross_entropy cross_entropy_backward embedding_backward; do
+      grep -qE "op: $op, dtype: fp32" tmp.yaml || fail "no $op rows in the profile"
+    done
+    # flash_backward where the flash rows are measured (libtorch >= 2.0), nowhere else.
+    if grep -qE "kernel: flash," tmp.yaml; then
+      grep -qE "kernel: flash_backward," tmp.yaml || fail "flash rows but no flash_backward rows"
+      grep -qE "^attention flash_backward fp32 +[0-9]+" out || fail "summary lacks the flash_backward row"
+      grep -qE "^calibrate: attention fp32 flash_backward .*backward / forward time: median" err || fail "no progress line for flash_backward"
+    else
+      grep -qE "kernel: flash_backward" tmp.yaml && fail "flash_backward rows without flash rows"
+    fi
     run "$CHECK" tmp.yaml --expect-backend cpu
     expect_rc 0
     # The tiny scenario (fp32) with and without the profile, through the analytic estimator.

@@ -463,3 +463,153 @@ TEST_CASE("optimizer_step rows time the OptimizerStep as memory_bytes / rate; ho
   for (const char* f : {"dssim_test_profile_opt_add.yaml", "dssim_test_profile_opt.yaml", "dssim_test_profile_host.yaml"})
     std::filesystem::remove(std::filesystem::temp_directory_path() / f);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Backward-pass kernels: the elementwise rows layer_norm_backward ... embedding_backward and the
+// attention kernel flash_backward.
+
+namespace {
+
+const char* const kBackwardOps[] = {"layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
+                                    "cross_entropy_backward", "embedding_backward"};
+
+// kProfile plus two rows of each backward op (rates 1e12 x (i + 1) and 2e12 x (i + 1) at 1e6 and
+// 1e9 bytes) and two flash_backward rows (half the flash rows' rates).
+std::string backward_yaml() {
+  std::string rows;
+  for (int i = 0; i < 6; ++i)
+    rows += "  - {op: " + std::string(kBackwardOps[i]) + ", dtype: bf16, bytes: 1.0e6, bytes_per_second: " +
+            std::to_string(i + 1) + ".0e12}\n  - {op: " + kBackwardOps[i] + ", dtype: bf16, bytes: 1.0e9, bytes_per_second: " +
+            std::to_string(2 * (i + 1)) + ".0e12}\n";
+  std::string s = kProfile;
+  s.insert(s.find("copy:\n"), rows);
+  s.insert(s.find("elementwise:\n"),
+           "  - {kernel: flash_backward, dtype: bf16, batch_heads: 32, seq_len: 1024, head_dim: 128, causal: true, flops_per_second: 1.5e14, seconds: 0.001}\n"
+           "  - {kernel: flash_backward, dtype: bf16, batch_heads: 32, seq_len: 4096, head_dim: 128, causal: true, flops_per_second: 2.5e14}\n");
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("backward-kernel rows parse, round-trip and are looked up by their own op only", "[profile]") {
+  const DeviceProfile p = parse_device_profile(backward_yaml(), "bk.yaml");
+  REQUIRE(p.elementwise.size() == 4 + 12);
+  REQUIRE(p.attention.size() == 4);
+  CHECK(p.attention[2].kernel == "flash_backward");
+  CHECK(p.attention[2].seconds == 0.001);
+  for (int i = 0; i < 6; ++i) {
+    CHECK(p.elementwise[4 + 2 * i].op == kBackwardOps[i]);
+    CHECK(p.elementwise[4 + 2 * i + 1].bytes == 1.0e9);
+  }
+  // to_yaml round-trips every row.
+  const std::string out = to_yaml(p);
+  const DeviceProfile q = parse_device_profile(out, "round.yaml");
+  REQUIRE(q.elementwise.size() == p.elementwise.size());
+  for (size_t i = 0; i < p.elementwise.size(); ++i) {
+    CHECK(q.elementwise[i].op == p.elementwise[i].op);
+    CHECK(q.elementwise[i].dtype == p.elementwise[i].dtype);
+    CHECK(q.elementwise[i].bytes == p.elementwise[i].bytes);
+    CHECK(q.elementwise[i].bytes_per_second == p.elementwise[i].bytes_per_second);
+  }
+  REQUIRE(q.attention.size() == p.attention.size());
+  for (size_t i = 0; i < p.attention.size(); ++i) {
+    CHECK(q.attention[i].kernel == p.attention[i].kernel);
+    CHECK(q.attention[i].seq_len == p.attention[i].seq_len);
+    CHECK(q.attention[i].flops_per_second == p.attention[i].flops_per_second);
+  }
+  CHECK(out.find("kernel: flash_backward") != std::string::npos);
+  // Byte counts are written exactly (the calibration's are whole numbers of 8+ digits), rates to 7 digits.
+  DeviceProfile exact = base_profile();
+  exact.elementwise = {bw_row("cross_entropy_backward", Dtype::bf16, 26.0 * 32768 * 51200, 1.234567891e12),
+                       bw_row("layer_norm_backward", Dtype::bf16, 10.0 * 16384 * 4096, 2.0e12)};
+  const DeviceProfile back = parse_device_profile(to_yaml(exact), "exact.yaml");
+  REQUIRE(back.elementwise.size() == 2);
+  CHECK(back.elementwise[0].bytes == 26.0 * 32768 * 51200);
+  CHECK(back.elementwise[1].bytes == 10.0 * 16384 * 4096);
+  CHECK(back.elementwise[0].bytes_per_second == Approx(1.234567891e12).epsilon(1e-6));
+
+  // Lookups: exact on the table points, log-linear between, clamped above, nullopt below.
+  for (int i = 0; i < 6; ++i) {
+    const std::string op = kBackwardOps[i];
+    CHECK(*p.elementwise_bytes_per_second(op, Dtype::bf16, 1.0e6) == (i + 1) * 1.0e12);
+    CHECK(*p.elementwise_bytes_per_second(op, Dtype::bf16, 1.0e9) == 2 * (i + 1) * 1.0e12);
+    CHECK(*p.elementwise_bytes_per_second(op, Dtype::bf16, std::sqrt(1.0e6 * 1.0e9)) ==
+          Approx(std::sqrt(2.0) * (i + 1) * 1.0e12));
+    CHECK(*p.elementwise_bytes_per_second(op, Dtype::bf16, 1.0e12) == 2 * (i + 1) * 1.0e12);
+    CHECK_FALSE(p.elementwise_bytes_per_second(op, Dtype::bf16, 1.0e5));
+    CHECK(*p.elementwise_bytes_per_second(op, Dtype::fp16, 1.0e9) == 2 * (i + 1) * 1.0e12);  // another dtype's rows
+  }
+  // The forward families are untouched by the backward rows.
+  CHECK(*p.elementwise_bytes_per_second("layer_norm", Dtype::bf16, 1.0e9) == 3.0e12);
+  CHECK(*p.elementwise_bytes_per_second("add", Dtype::bf16, 1.0e9) == 4.0e12);
+  // flash_backward like flash, each among its own rows; flash lookups and kernel_seconds unchanged.
+  CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 1024, 128) == 1.5e14);
+  CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 4096, 128) == 2.5e14);
+  CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 2048, 128) == Approx(std::sqrt(1.5e14 * 2.5e14)));
+  CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 65536, 128) == 2.5e14);
+  CHECK_FALSE(p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 512, 128));
+  CHECK_FALSE(p.attention_flops_per_second("flash_backward", Dtype::fp16, 32, 1024, 128));
+  CHECK(*p.attention_flops_per_second("flash", Dtype::bf16, 32, 1024, 128) == 3.0e14);
+  const DeviceProfile base = parse_device_profile(kProfile, "h.yaml");
+  LayerOp scores = gemm(1024, 1024, 128);
+  scores.name = "attention_scores";
+  scores.attention_core = true;
+  scores.batch = 32;
+  scores.flops = 2 * 32 * 1024.0 * 1024 * 128;
+  CHECK(*p.kernel_seconds(scores, Dtype::bf16, true) == *base.kernel_seconds(scores, Dtype::bf16, true));
+  CHECK_FALSE(base.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 1024, 128));  // flash rows don't stand in
+
+  // The summary lists the new groups.
+  const std::string summary = device_profile_summary(p);
+  CHECK(summary.find("attention flash_backward bf16") != std::string::npos);
+  for (const char* op : kBackwardOps) CHECK(summary.find(std::string(op) + " bf16 ") != std::string::npos);
+}
+
+TEST_CASE("backward-kernel ops never fall back to add's rows, unknown ops and kernels are errors", "[profile]") {
+  using Catch::Matchers::Contains;
+  // kProfile has add and layer_norm rows, no backward rows: nullopt, while gelu still uses add's.
+  const DeviceProfile p = parse_device_profile(kProfile, "h.yaml");
+  for (const char* op : kBackwardOps)
+    for (double bytes : {1.0e6, 1.0e8, 1.0e9, 1.0e12}) {
+      CHECK_FALSE(p.elementwise_bytes_per_second(op, Dtype::bf16, bytes));
+      CHECK_FALSE(p.elementwise_bytes_per_second(op, Dtype::fp32, bytes));
+    }
+  CHECK(*p.elementwise_bytes_per_second("gelu", Dtype::bf16, 1.0e9) == 4.0e12);
+  // Rows of one backward op don't answer for another (or for layer_norm).
+  DeviceProfile only_ln = base_profile();
+  only_ln.elementwise = {bw_row("layer_norm_backward", Dtype::bf16, 1.0e6, 1.0e12), bw_row("add", Dtype::bf16, 1.0e6, 2.0e12)};
+  CHECK(*only_ln.elementwise_bytes_per_second("layer_norm_backward", Dtype::bf16, 1.0e6) == 1.0e12);
+  CHECK(*only_ln.elementwise_bytes_per_second("layer_norm", Dtype::bf16, 1.0e6) == 2.0e12);  // add's, not the backward's
+  CHECK_FALSE(only_ln.elementwise_bytes_per_second("gelu_backward", Dtype::bf16, 1.0e6));
+  CHECK_FALSE(only_ln.elementwise_bytes_per_second("cross_entropy", Dtype::bf16, 1.0e6));
+
+  // Unknown names are errors naming the key and the allowed values.
+  CHECK_THAT(config_error([] { parse_device_profile(with_line("op: layer_norm, dtype: bf16, bytes: 1.0e9", "op: layer_norm_bwd, dtype: bf16, bytes: 1.0e9"), "h.yaml"); }),
+             Contains("h.yaml: elementwise[3].op") && Contains("layer_norm_backward, gelu_backward, bias_grad, cross_entropy, "
+                                                              "cross_entropy_backward, embedding_backward") &&
+                 Contains("got 'layer_norm_bwd'"));
+  CHECK_THAT(config_error([] { parse_device_profile(with_line("kernel: flash, dtype: bf16, batch_heads: 32, seq_len: 4096", "kernel: flash_bwd, dtype: bf16, batch_heads: 32, seq_len: 4096"), "h.yaml"); }),
+             Contains("attention[1].kernel") && Contains("flash, plain, flash_backward") && Contains("got 'flash_bwd'"));
+  // A backward row is validated like every row.
+  std::string bad = backward_yaml();
+  const std::string from = "op: bias_grad, dtype: bf16, bytes: 1.0e6, bytes_per_second: 3.0e12";
+  REQUIRE(bad.find(from) != std::string::npos);
+  bad.replace(bad.find(from), from.size(), "op: bias_grad, dtype: bf16, bytes: 1.0e6, bytes_per_second: 0");
+  CHECK_THAT(config_error([&] { parse_device_profile(bad, "h.yaml"); }),
+             Contains("elementwise[8].bytes_per_second") && Contains("must be a positive number"));
+}
+
+TEST_CASE("elementwise rows of equal bytes count as one point at the geometric mean of their rates", "[profile]") {
+  // bias_grad of [4096 x 8192] and [32768 x 1024]: the same bytes, two shapes, two rates.
+  DeviceProfile p = base_profile();
+  p.elementwise = {bw_row("bias_grad", Dtype::bf16, 1.0e6, 1.0e12), bw_row("bias_grad", Dtype::bf16, 1.0e8, 1.0e12),
+                   bw_row("bias_grad", Dtype::bf16, 1.0e8, 4.0e12), bw_row("bias_grad", Dtype::bf16, 1.0e10, 8.0e12)};
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e8) == Approx(2.0e12).epsilon(1e-12));
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e6) == 1.0e12);   // unique bytes: exact
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e10) == 8.0e12);
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e7) == Approx(std::sqrt(2.0) * 1.0e12));  // log-linear to the merged point
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e9) == Approx(4.0e12));
+  // The order of the rows does not matter (it did while the first row of a size won).
+  std::swap(p.elementwise[1], p.elementwise[2]);
+  CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e8) == Approx(2.0e12).epsilon(1e-12));
+}
