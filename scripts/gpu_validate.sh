@@ -32,24 +32,7 @@ LOG="$OUT/log.txt"
 for f in gpu.txt cmake.log build.log; do
   [[ -f "$OUT/$f" ]] && { echo "== $f"; cat "$OUT/$f"; } >> "$LOG" && rm -f "$OUT/$f"
 done
-for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
-  [[ $MEASURE == 1 ]] || break
-  name=$(basename "$f" .yaml)
-  [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
-  steps=$STEPS warm=2
-  # A step of the offloaded 7B scenario runs AdamW over 6.7 B parameters on the host: fewer steps.
-  [[ "$name" == *offload* ]] && steps=$(( STEPS < 4 ? STEPS : 4 )) warm=1
-  t1=$(date +%s)
-  echo "== $name (--steps $steps --warmup $warm)" >> "$LOG"
-  if "$BUILD/dssim_torch_run" "$f" --backend cuda --nproc 1 --steps "$steps" --warmup "$warm" --json \
-       > "$OUT/$name.json" 2> "$OUT/stderr.tmp"; then
-    echo "$name: measured in $(( $(date +%s) - t1 )) s"
-  else
-    echo "$name: FAILED ($(tail -1 "$OUT/stderr.tmp"))"; rm -f "$OUT/$name.json"
-  fi
-  cat "$OUT/stderr.tmp" >> "$LOG"; rm -f "$OUT/stderr.tmp"
-done
-
+# The calibration first: a hung or killed scenario must not cost the profile.
 if [[ $CALIBRATE == 1 ]]; then
   t1=$(date +%s)
   echo "== dssim calibrate" >> "$LOG"
@@ -59,6 +42,26 @@ if [[ $CALIBRATE == 1 ]]; then
   echo "calibrated in $(( $(date +%s) - t1 )) s"
   cat "$OUT/stderr.tmp" >> "$LOG"; rm -f "$OUT/stderr.tmp"
 fi
+
+for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
+  [[ $MEASURE == 1 ]] || break
+  name=$(basename "$f" .yaml)
+  [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
+  steps=$STEPS warm=2
+  # A step of the offloaded 7B scenario runs AdamW over 6.7 B parameters on the host: fewer steps.
+  [[ "$name" == *offload* ]] && steps=$(( STEPS < 4 ? STEPS : 4 )) warm=1
+  t1=$(date +%s)
+  echo "== $name (--steps $steps --warmup $warm)" >> "$LOG"
+  # A limit per scenario (seconds): the offloaded 7B one initialises 6.7 B parameters on the host.
+  if timeout "${SCENARIO_TIMEOUT:-300}" "$BUILD/dssim_torch_run" "$f" --backend cuda --nproc 1 --steps "$steps" --warmup "$warm" --json \
+       > "$OUT/$name.json" 2> "$OUT/stderr.tmp"; then
+    echo "$name: measured in $(( $(date +%s) - t1 )) s"
+  else
+    echo "$name: FAILED ($(tail -1 "$OUT/stderr.tmp"))"; rm -f "$OUT/$name.json"
+  fi
+  cat "$OUT/stderr.tmp" >> "$LOG"; rm -f "$OUT/stderr.tmp"
+done
+
 
 echo
 if [[ -f "$OUT/calibrate.txt" ]]; then
