@@ -101,7 +101,7 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
           break;
         case Op::Recompute:
           if (op.backward_only) break;
-          if (recompute_ == Recompute::full || op.attention_core) t += kernel_seconds(op);
+          if (recompute_ == Recompute::full ? op.in_layer : op.attention_core) t += kernel_seconds(op);
           break;
         default:
           if (!op.backward_only) t += kernel_seconds(op);
@@ -139,10 +139,19 @@ double DeviceModel::host_seconds(const Instruction& inst) const {
 }
 
 double DeviceModel::copy_seconds(const Instruction& inst) const {
+  double bus = cluster_.gpu.pcie_latency + inst.bytes / cluster_.gpu.pcie_bandwidth;
   if (profile_ && inst.bytes > 0)
     if (auto bw = profile_->copy_bytes_per_second(inst.op == Op::CopyH2D ? "h2d" : "d2h", inst.bytes))
-      return inst.bytes / *bw;
-  return cluster_.gpu.pcie_latency + inst.bytes / cluster_.gpu.pcie_bandwidth;
+      bus = inst.bytes / *bw;
+  if (inst.op != Op::CopyD2H || inst.memory_bytes <= 0) return bus;
+  // Offloaded gradients are then summed on the host (memory_bytes of host traffic), the node's
+  // GPUs sharing its cores; layer after layer the copies and the sums pipeline, so a layer's share
+  // of the offload stream is the slower of the two.
+  double host = inst.memory_bytes / (cluster_.host_memory_bandwidth / std::max(1, cluster_.gpus_per_node));
+  if (profile_)
+    if (auto bw = profile_->elementwise_bytes_per_second("host_accumulate", Dtype::fp32, inst.memory_bytes))
+      host = inst.memory_bytes / *bw * std::max(1, cluster_.gpus_per_node);
+  return std::max(bus, host);
 }
 
 }  // namespace dssim

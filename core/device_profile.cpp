@@ -216,7 +216,8 @@ const std::vector<std::string> kGemmPasses = {"forward", "dgrad", "wgrad"};
 const std::vector<std::string> kAttentionKernels = {"flash", "plain", "flash_backward"};
 const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw",
                                                   "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
-                                                  "cross_entropy_backward", "embedding_backward"};
+                                                  "cross_entropy_backward", "embedding_backward", "attention_layout_copies",
+                                                  "host_accumulate"};
 // Elementwise families that stand in for one another (gelu / layer_norm -> add); the optimizer
 // rows and the backward-pass kernels (layer_norm_backward ... embedding_backward) have their own
 // byte conventions and no stand-in.

@@ -201,6 +201,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   // contiguous for the attention backward (h/t wide), dq, dk, dv stacked into the QKV gradient and
   // that permuted gradient made contiguous for the QKV linear (3h/t wide each): read + write.
   LayerOp layout = elementwise_op("attention_layout_copies", tokens * (h + 2 * 3 * h) / t, 0, 2 * e);
+  layout.kernel = "attention_layout_copies";  // strided copies: their own profile row
   layout.backward_only = true;
   ops.push_back(layout);
   ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e, m.has_dropout()));
@@ -240,6 +241,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   // weight gradients into the buffer.
   ops.push_back(bias_grads_op(tokens, 3 * h / t + h + f / t + h, e));
   ops.push_back(grad_accumulate_op(dense_layer_params(m) / t, e));
+  for (auto& op : ops) op.in_layer = true;
   return ops;
 }
 
@@ -329,11 +331,10 @@ OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
 // Full recompute re-runs the whole forward; selective re-runs the attention core [K section 5].
 OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r) {
   if (r == Recompute::none) return {};
-  if (r == Recompute::full) return sum_cost(forward_ops);
-  std::vector<LayerOp> core;
+  std::vector<LayerOp> again;  // full: the layers' forward (not the embedding's or the head's)
   for (const auto& op : forward_ops)
-    if (op.attention_core && !op.backward_only) core.push_back(op);
-  return sum_cost(core);
+    if ((r == Recompute::full ? op.in_layer : op.attention_core) && !op.backward_only) again.push_back(op);
+  return sum_cost(again);
 }
 
 }  // namespace dssim

@@ -51,6 +51,7 @@ struct LayerOp {
   // Runs in backward only (bias gradients, accumulation into the gradient buffer): no forward,
   // no recompute; its memory_bytes are its backward bytes.
   bool backward_only = false;
+  bool in_layer = false;  // a transformer layer's (full recompute re-runs these, not embedding / head)
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }

@@ -255,6 +255,22 @@ class Builder {
       auto e = head_forward_ops(m_, shape);
       ops.insert(ops.end(), e.begin(), e.end());
     }
+    if (zero_ == 3) {
+      // ZeRO-3 reduces (on one rank: folds) each layer group's 16-bit gradients into the fp32
+      // buffer in every micro-batch's backward, and zero-fills the next micro-batch's: 2g + 8 bytes
+      // per parameter (the optimizer step then has no fold of its own).
+      const double h = m_.hidden, t = t_;
+      double params = seg.layer_count * dense_layer_params(m_) / t;
+      if (seg.embedding) params += double(m_.vocab) / t * h + double(m_.seq_len) * h;
+      if (seg.head) params += 2 * h + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
+      LayerOp fold;
+      fold.name = "zero3_gradient_fold";
+      // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
+      fold.memory_bytes = (sc_.zero.offload_optimizer ? 3.0 * g_ : 2.0 * g_ + 8) * params;
+      fold.flops = params;
+      fold.backward_only = true;
+      ops.push_back(fold);
+    }
     const int id = int(prog.op_lists.size());
     cache_.fwd.push_back(sum_cost(ops));
     cache_.bwd.push_back(backward_cost(ops));
@@ -839,6 +855,8 @@ class Builder {
       d.layer_begin = layer;
       d.layer_count = 1;
       d.bytes = mine_elems * g_;
+      // The host adds them into its fp32 gradient buffer: read g + 4, write 4 bytes per element.
+      d.memory_bytes = mine_elems * (g_ + 8.0);
       x.last_d2h = add(x, d, {id != kNone ? id : produced});
     }
   }
@@ -893,7 +911,8 @@ class Builder {
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
-      o.memory_bytes = shard * (device_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param());
+      const double fold = zero_ == 3 ? 2.0 * g_ + 8 : 0.0;  // done in backward (op_list)
+      o.memory_bytes = shard * (device_step_bytes_per_param(g_) - fold + norm_and_unscale_bytes_per_param());
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

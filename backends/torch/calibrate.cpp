@@ -182,7 +182,9 @@ Grid grid(bool cuda, bool quick) {
     // Shards of 4M .. 512M parameters (0.2 .. 27 GB of step traffic); the host: 4M .. 128M.
     for (int e = 22; e <= 28; e += 2) g.optimizer.push_back(int64_t(1) << e);
     g.optimizer.push_back(int64_t(1) << 29);
-    for (int e = 22; e <= 27; ++e) g.host_adamw.push_back(int64_t(1) << e);
+    // The host step up to 512M parameters (9 GB of host tensors): an offloaded 7B shard's arrays
+    // are 27 GB each, far from any cache.
+    for (int e = 22; e <= 29; ++e) g.host_adamw.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.copy_bytes.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.collective_bytes.push_back(int64_t(1) << e);
     // The transformer's widths at 4K-32K tokens: up to 32768 x 32768 (gelu_backward, 6.4 GB) and
@@ -504,6 +506,22 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
                  timer.measure([&] { (void)at::gelu_backward(dy, x, "tanh"); }, budget));
         }
     });
+    family("attention_layout_copies", [&] {
+      // The copies autograd makes around the attention core (gpt.cpp's block): dq, dk, dv stacked
+      // by unbind's backward, that [3, B, a, S, d] gradient permuted back and made contiguous for
+      // the QKV linear, the output's gradient made contiguous for the attention backward.
+      // Bytes 2 e x 7 T h (core/model.cpp's attention_layout_copies op).
+      for (int64_t h : g.bwd_hidden)
+        for (int64_t t : g.bwd_tokens) {
+          const int64_t s = std::min<int64_t>(t, 2048), b = t / s, d = std::min<int64_t>(h, 128), a = h / d;
+          at::Tensor dq = at::randn({b, a, s, d}, opts), dk = at::randn({b, a, s, d}, opts),
+                     dv = at::randn({b, a, s, d}, opts), dout = at::randn({b, s, a, d}, opts);
+          record("attention_layout_copies", 2 * e * 7 * double(t) * h, timer.measure([&] {
+            (void)at::stack({dq, dk, dv}, 0).permute({1, 3, 0, 2, 4}).contiguous();
+            (void)dout.transpose(1, 2).contiguous();
+          }, budget));
+        }
+    });
     family("bias_grad", [&] {
       std::set<std::pair<int64_t, int64_t>> shapes;  // (T, n): 4h of h = 1024 is h of 4096
       for (int64_t h : g.bwd_hidden)
@@ -633,9 +651,29 @@ void measure_host_adamw(const CalibrateOptions& o, const Grid& g, DeviceProfile&
     best = std::max(best, r.bytes_per_second);
     p.elementwise.push_back(r);
   }
+  // ZeRO-Offload's gradient accumulation on the host (host_accumulate: fp32 += scale * bf16, the
+  // engine's copy_gradients_to_host), bytes = 10 x N (read 2 + 4, write 4). Up to 256M elements.
+  double best_acc = 0;
+  int acc_rows = 0;
+  for (int64_t n : g.host_adamw) {
+    if (n > (int64_t(1) << 28)) break;
+    at::Tensor acc = at::zeros({n}, f32), src = at::full({n}, 1e-3, f32.dtype(at::kBFloat16));
+    const double sec = timer.measure([&] { host_accumulate(acc, src, 0.5); }, o.seconds_per_point);
+    BandwidthPoint r;
+    r.op = "host_accumulate";
+    r.dtype = Dtype::fp32;
+    r.bytes = 10.0 * double(n);
+    r.bytes_per_second = r.bytes / sec;
+    best_acc = std::max(best_acc, r.bytes_per_second);
+    p.elementwise.push_back(r);
+    ++acc_rows;
+  }
   const int nthreads = at::get_num_threads();
   const std::string threads = std::to_string(nthreads) + (nthreads == 1 ? " thread" : " threads");
-  p.metadata.notes.push_back("host_adamw: adamw_step on host fp32 tensors + bf16 copy, one process, " + threads + " on " + cpu);
+  p.metadata.notes.push_back("host_adamw: adamw_step on host fp32 tensors + bf16 copy (and host_accumulate), one process, " +
+                             threads + " on " + cpu);
+  say(o, "host gradient accumulation (10 bytes/element): " + std::to_string(acc_rows) + " sizes, best " +
+             fmt(best_acc / 1e9, "GB/s"));
   say(o, "host adamw (" + cpu + ", " + threads + ", 30 bytes/param): " + std::to_string(g.host_adamw.size()) +
              " sizes up to " + fmt(double(g.host_adamw.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
              fmt(best / kHostAdamWBytesPerParam / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");

@@ -1,7 +1,13 @@
 #include "backends/torch/engine.hpp"
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -55,6 +61,67 @@ ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp) 
   spec.allgather_bucket_size = std::max<int64_t>(1, z.allgather_bucket_size);
   return spec;
 }
+
+// ZeRO-Offload's host side of the gradient copies: a worker thread adds each copied layer's
+// gradients into the host fp32 buffer while the main thread goes on issuing the backward (as
+// DeepSpeed overlaps its CPU-side gradient handling); jobs run in submission order, so the sums
+// are the same as done inline. drain() waits for all and rethrows a job's error.
+class HostAccumulator {
+ public:
+  ~HostAccumulator() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> l(mu_);
+    done_cv_.wait(l, [this] { return jobs_.empty() && !busy_; });
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [this] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      l.unlock();
+      try {
+        job();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      l.lock();
+      busy_ = false;
+      if (jobs_.empty()) done_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
 
 class Engine {
  public:
@@ -489,14 +556,22 @@ class Engine {
     if (it == d2h_pending_.end()) return;
     for (auto& [off, t] : it->second) {
       count_copy(Op::CopyD2H, Purpose::OffloadGradient, double(t.numel()) * elt16());
-      at::Tensor host = t;
-      if (!t.is_cpu()) {  // through a pinned buffer: the copy runs at the bus's pinned rate
-        if (!d2h_staging_.defined() || d2h_staging_.numel() < t.numel())
-          d2h_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
-        host = d2h_staging_.narrow(0, 0, t.numel());
-        host.copy_(t);
+      at::Tensor acc = grad_acc_.narrow(0, off, t.numel());
+      if (t.is_cpu()) {
+        host_accumulate(acc, t, scale_for_average());
+        continue;
       }
-      host_accumulate(grad_acc_.narrow(0, off, t.numel()), host, scale_for_average());
+      // Into a pinned buffer of its own (the copy runs at the bus's pinned rate) on a side stream,
+      // then added on the host by the worker once copied, leaving two cores to the thread that
+      // drives the GPU: the copy and the sum overlap the backward, as DeepSpeed's do.
+      at::Tensor host = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
+      auto copied = copy_to_host_async(host, t);
+      const double scale = scale_for_average();
+      const int threads = std::max(1, at::get_num_threads() - 2);
+      host_acc_.submit([acc, host, scale, threads, copied]() mutable {
+        copied();
+        host_accumulate(acc, host, scale, threads);
+      });
     }
     d2h_pending_.erase(it);
   }
@@ -659,6 +734,7 @@ class Engine {
     flush_all();
     at::NoGradGuard ng;
     fold_unreduced();
+    drain_host_accumulation();
     const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
                         o_.overflow_steps.end();
     if (inject) grad_acc_.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
@@ -698,6 +774,14 @@ class Engine {
     grad_acc_.zero_();
     if (fp16_) scaler_.update(false);
     if (!offload_) publish_master();
+  }
+
+  // The host's gradient sums must be complete before the step reads them; the wait is the part of
+  // the offloaded gradients' handling that did not overlap the backward (timed as CopyD2H).
+  void drain_host_accumulation() {
+    auto t0 = Clock::now();
+    host_acc_.drain();
+    inner_seconds_["copy_d2h"] += seconds_since(t0);
   }
 
   // Squared L2 norm: one reduction pass, no full-size temporary (the offloaded shard of a 7B
@@ -1012,7 +1096,8 @@ class Engine {
   std::vector<int> first_tensor_;
   std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
   std::vector<bool> gathered_;
-  at::Tensor adam_step_tensor_, staging16_, d2h_staging_;
+  at::Tensor adam_step_tensor_, staging16_;
+  HostAccumulator host_acc_;  // its jobs hold the tensors they write
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
   std::vector<std::vector<int>> group_units_;
@@ -1112,7 +1197,9 @@ EngineResult Engine::run() {
   res.expected_bytes = expected_;
   // Memory by category: the engine's own buffers, and the rest of the peak as activations and
   // temporaries.
-  double params = 0, grads = bytes(grad16_) + bytes(grad_acc_), optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_);
+  // With the optimizer offloaded the fp32 gradient buffer is a host one, counted with the states.
+  double params = 0, grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)),
+         optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0);
   if (stage_ <= 2) params = bytes(flat16_);
   else {
     params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;

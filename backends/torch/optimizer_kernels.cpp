@@ -15,9 +15,10 @@ namespace {
 // path is a pragma in a header: compiled here without -fopenmp it would run on one thread, and
 // linking a second OpenMP runtime next to libtorch's is worse.)
 template <class F>
-void parallel_range(int64_t n, const F& body) {
+void parallel_range(int64_t n, const F& body, int max_threads = 0) {
   const int64_t grain = int64_t(1) << 16;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain)));
+  const int64_t want = max_threads > 0 ? max_threads : at::get_num_threads();
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(want, (n + grain - 1) / grain)));
   if (threads == 1) return body(int64_t(0), n);
   std::vector<std::thread> pool;
   const int64_t per = (n + threads - 1) / threads;
@@ -95,14 +96,14 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
 
 namespace {
 template <class T>
-void accumulate_loop(float* acc, const T* src, int64_t n, float scale) {
+void accumulate_loop(float* acc, const T* src, int64_t n, float scale, int threads) {
   parallel_range(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) acc[i] += scale * float(src[i]);
-  });
+  }, threads);
 }
 }  // namespace
 
-void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale) {
+void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale, int threads) {
   if (!acc.is_cpu() || !src.is_cpu() || acc.scalar_type() != at::kFloat || !acc.is_contiguous() ||
       !src.is_contiguous() || acc.numel() != src.numel()) {
     acc.add_(src, scale);
@@ -111,9 +112,9 @@ void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale) {
   float* a = acc.data_ptr<float>();
   const int64_t n = acc.numel();
   switch (src.scalar_type()) {
-    case at::kBFloat16: return accumulate_loop(a, src.data_ptr<at::BFloat16>(), n, float(scale));
-    case at::kHalf: return accumulate_loop(a, src.data_ptr<at::Half>(), n, float(scale));
-    case at::kFloat: return accumulate_loop(a, src.data_ptr<float>(), n, float(scale));
+    case at::kBFloat16: return accumulate_loop(a, src.data_ptr<at::BFloat16>(), n, float(scale), threads);
+    case at::kHalf: return accumulate_loop(a, src.data_ptr<at::Half>(), n, float(scale), threads);
+    case at::kFloat: return accumulate_loop(a, src.data_ptr<float>(), n, float(scale), threads);
     default: acc.add_(src, scale);
   }
 }

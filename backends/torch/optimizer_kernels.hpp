@@ -34,6 +34,7 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
 
 // acc += scale * src on the host, src fp32 or 16-bit (ZeRO-Offload's gradient accumulation into
 // the host fp32 buffer): one parallel pass, no temporary.
-void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale);
+// `threads` 0: at::get_num_threads().
+void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale, int threads = 0);
 
 }  // namespace dssim::tb

@@ -11,7 +11,11 @@
 #define DSSIM_TORCH_AT_LEAST(maj, min) \
   (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
 
+#include <functional>
+#include <memory>
 #if defined(DSSIM_TORCH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -76,6 +80,31 @@ inline void cuda_reset_peak(const at::Device& d) {
 #else
   (void)d;
 #endif
+}
+
+// Copies a device tensor into a (pinned) host tensor on a side stream, after the work queued so
+// far on the current stream, so that the compute stream goes on meanwhile; returns what waits for
+// the copy (and keeps the source alive until then). On CPUs: a plain copy, and a no-op wait.
+inline std::function<void()> copy_to_host_async(at::Tensor dst, const at::Tensor& src) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (src.is_cuda()) {
+    const auto dev = src.device().index();
+    auto side = c10::cuda::getStreamFromPool(false, dev);
+    auto ready = std::make_shared<at::cuda::CUDAEvent>();
+    ready->record(c10::cuda::getCurrentCUDAStream(dev));
+    ready->block(side);
+    auto done = std::make_shared<at::cuda::CUDAEvent>();
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      dst.copy_(src, /*non_blocking=*/true);
+      done->record(side);
+    }
+    at::Tensor keep = src;
+    return [done, keep]() { done->synchronize(); };
+  }
+#endif
+  dst.copy_(src);
+  return [] {};
 }
 
 inline void set_cuda_device(int index) {
