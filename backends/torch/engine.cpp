@@ -76,10 +76,13 @@ class HostAccumulator {
     cv_.notify_all();
     if (worker_.joinable()) worker_.join();
   }
+  // At most kMaxQueued jobs wait (each holds a layer's pinned copy): the submitter waits beyond.
+  static constexpr size_t kMaxQueued = 8;
   void submit(std::function<void()> job) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      std::unique_lock<std::mutex> l(mu_);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      done_cv_.wait(l, [this] { return jobs_.size() < kMaxQueued; });
       jobs_.push_back(std::move(job));
     }
     cv_.notify_all();
@@ -112,7 +115,7 @@ class HostAccumulator {
       }
       l.lock();
       busy_ = false;
-      if (jobs_.empty()) done_cv_.notify_all();
+      done_cv_.notify_all();  // drain() and a waiting submit()
     }
   }
   std::mutex mu_;
