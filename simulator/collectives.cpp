@@ -184,10 +184,11 @@ CommPlan CollectivePlanner::p2p(double bytes, int from, int to) const {
   return plan;
 }
 
-CommPlan CollectivePlanner::copy(Op op, double bytes, int rank) const {
+CommPlan CollectivePlanner::copy(Op op, double bytes, int rank, double after) const {
   CommPlan plan;
   if (bytes <= 0) { plan.closed_form = true; return plan; }
   Phase p;
+  p.after_seconds = after;
   if (op == Op::CopyD2H) p.flows.push_back({platform.pcie(rank), platform.cpu(rank), bytes});
   else p.flows.push_back({platform.cpu(rank), platform.pcie(rank), bytes});
   plan.phases.push_back(std::move(p));

@@ -55,7 +55,9 @@ struct CollectivePlanner {
   bool is_closed_form(Op op, const std::vector<int>& ranks) const;
   CommPlan collective(Op op, double bytes, const std::vector<int>& ranks) const;
   CommPlan p2p(double bytes, int from, int to) const;
-  CommPlan copy(Op op, double bytes, int rank) const;
+  // A PCIe copy; `after`: host work that follows it on the same stream (the host's sum of
+  // offloaded gradients, beyond what the copy's own time covers).
+  CommPlan copy(Op op, double bytes, int rank, double after = 0) const;
 
   // Route latency between two endpoints (cached by the caller if hot).
   static double route_latency(simgrid::s4u::Host* a, simgrid::s4u::Host* b);

@@ -84,7 +84,8 @@ inline void cuda_reset_peak(const at::Device& d) {
 
 // Copies a device tensor into a (pinned) host tensor on a side stream, after the work queued so
 // far on the current stream, so that the compute stream goes on meanwhile; returns what waits for
-// the copy (and keeps the source alive until then). On CPUs: a plain copy, and a no-op wait.
+// the copy. The source may be freed at once: the caching allocator holds its block until the side
+// stream's copy is done (record_stream). On CPUs: a plain copy, and a no-op wait.
 inline std::function<void()> copy_to_host_async(at::Tensor dst, const at::Tensor& src) {
 #if defined(DSSIM_TORCH_CUDA)
   if (src.is_cuda()) {
@@ -99,8 +100,8 @@ inline std::function<void()> copy_to_host_async(at::Tensor dst, const at::Tensor
       dst.copy_(src, /*non_blocking=*/true);
       done->record(side);
     }
-    at::Tensor keep = src;
-    return [done, keep]() { done->synchronize(); };
+    src.record_stream(side);
+    return [done]() { done->synchronize(); };
   }
 #endif
   dst.copy_(src);
