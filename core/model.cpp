@@ -197,10 +197,13 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement, true));
   ops.push_back(gemm_op("attention_over_v", b * local_heads, s, head_dim, s, e, true));
   ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
-  // Backward-only layout copies around the attention core (PyTorch): the output's gradient made
-  // contiguous for the attention backward (h/t wide), dq, dk, dv stacked into the QKV gradient and
-  // that permuted gradient made contiguous for the QKV linear (3h/t wide each): read + write.
-  LayerOp layout = elementwise_op("attention_layout_copies", tokens * (h + 2 * 3 * h) / t, 0, 2 * e);
+  // Backward-only layout copies around the attention core, read + write. Fused attention as
+  // dssim's engine runs it (PyTorch SDPA): the output's gradient made contiguous for the attention
+  // backward (h/t wide), dq, dk, dv stacked into the QKV gradient and that permuted gradient made
+  // contiguous for the QKV linear (3h/t wide each). Megatron's unfused attention: dq, dk, dv
+  // concatenated into the QKV gradient (3h/t) and the context gradient permuted back (h/t).
+  const double layout_width = m.flash_attention ? h + 2 * 3 * h : 3 * h + h;
+  LayerOp layout = elementwise_op("attention_layout_copies", tokens * layout_width / t, 0, 2 * e);
   layout.kernel = "attention_layout_copies";  // strided copies: their own profile row
   layout.backward_only = true;
   ops.push_back(layout);

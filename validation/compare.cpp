@@ -29,11 +29,15 @@ Comparison compare(const Scenario& sc, const Prediction& p, const nlohmann::json
   for (auto it = meas["seconds_per_iteration_by_instruction"].begin();
        it != meas["seconds_per_iteration_by_instruction"].end(); ++it)
     if (it.value().get<double>() > 0) kinds.insert(it.key());
+  // Kinds under 0.1% of the iteration on both sides (a wait that found nothing to wait for) are
+  // left out of the table.
+  const double floor = 1e-3 * std::max(p.report.iteration_seconds, m.at("throughput").value("iteration_seconds", 0.0));
   for (const auto& k : kinds) {
     Pair q{k};
     auto it = p.seconds_by_kind.find(k);
     q.simulated = it == p.seconds_by_kind.end() ? 0 : it->second;
     q.measured = meas["seconds_per_iteration_by_instruction"].value(k, 0.0);
+    if (q.simulated < floor && q.measured < floor) continue;
     c.kinds.push_back(q);
   }
   const double measured_bubble = m["time_seconds"].value("bubble", 0.0);

@@ -782,6 +782,7 @@ class Engine {
   // The host's gradient sums must be complete before the step reads them; the wait is the part of
   // the offloaded gradients' handling that did not overlap the backward (timed as CopyD2H).
   void drain_host_accumulation() {
+    if (!offload_) return;
     auto t0 = Clock::now();
     host_acc_.drain();
     inner_seconds_["copy_d2h"] += seconds_since(t0);
