@@ -229,8 +229,12 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // so for every 16-bit dtype at stages 0, 1 and 3, for the rank's optimizer shard (the reduced
   // gradients land there), and then the step needs no fp32 gradient copy. Stage 2 (DeepSpeed's
   // ZeRO optimizer) makes the fp32 copy of the partition at the step instead.
+  // BF16_Optimizer's buffer spans the whole flat group (bf16_optimizer.py: zeros_like of
+  // bf16_groups_flat), so bf16 at stages 0/1 keeps 4 psi; the engine's is its shard's (the same
+  // with dp = 1, the runs measured here).
   const bool fp32_grad_buffer = mixed && zstage != 2 && !z.offload_optimizer;
-  if (fp32_grad_buffer) mb.grads += 4 * opt_elems;
+  const bool bf16_optimizer = sc.precision.dtype == Dtype::bf16 && zstage < 2;
+  if (fp32_grad_buffer) mb.grads += 4 * (bf16_optimizer ? psi : opt_elems);
 
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).

@@ -133,7 +133,7 @@ double engine_model_states(double psi, int stage, int n) {
   const double zero = zero_model_state_bytes(psi, stage, n);
   switch (stage) {
     case 0: return zero + 4 * psi;
-    case 1: return zero + 4 * psi / n;
+    case 1: return zero + 4 * psi / n;  // fp16 here; bf16 (BF16_Optimizer) keeps 4 psi
     case 2: return zero;
     default: return zero - 2 * psi / n + 4 * psi / n;
   }
