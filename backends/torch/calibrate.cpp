@@ -182,9 +182,9 @@ Grid grid(bool cuda, bool quick) {
     // Shards of 4M .. 512M parameters (0.2 .. 27 GB of step traffic); the host: 4M .. 128M.
     for (int e = 22; e <= 28; e += 2) g.optimizer.push_back(int64_t(1) << e);
     g.optimizer.push_back(int64_t(1) << 29);
-    // The host step up to 512M parameters (9 GB of host tensors): an offloaded 7B shard's arrays
-    // are 27 GB each, far from any cache.
-    for (int e = 22; e <= 29; ++e) g.host_adamw.push_back(int64_t(1) << e);
+    // The host step up to 1G parameters (18 GB of host tensors): an offloaded 7B shard's arrays
+    // are 27 GB each, far from any cache (and the rate of the largest size applies above it).
+    for (int e = 22; e <= 30; ++e) g.host_adamw.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.copy_bytes.push_back(int64_t(1) << e);
     for (int e = 16; e <= 30; e += 2) g.collective_bytes.push_back(int64_t(1) << e);
     // The transformer's widths at 4K-32K tokens: up to 32768 x 32768 (gelu_backward, 6.4 GB) and
