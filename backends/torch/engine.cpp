@@ -798,22 +798,9 @@ class Engine {
   void host_step_and_publish(const at::Tensor& g, const AdamWHyper& hyper) {
     at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel)
                                                           : shard16_;
-    const int64_t n = master_.numel(), chunk = std::min<int64_t>(n, int64_t(1) << 26);
-    const bool direct = dst.is_cpu();  // offload_param (or a CPU run): the 16-bit shard is on the host
-    const bool convert = dst.scalar_type() != at::kFloat;
-    if (!direct && !staging16_.defined())
-      staging16_ = at::empty({chunk}, dst.options().device(at::kCPU).pinned_memory(dst.is_cuda()));
-    for (int64_t off = 0; off < n; off += chunk) {
-      const int64_t c = std::min(chunk, n - off);
-      at::Tensor p = master_.narrow(0, off, c), m = exp_avg_.narrow(0, off, c), v = exp_avg_sq_.narrow(0, off, c);
-      at::Tensor out = direct ? dst.narrow(0, off, c) : staging16_.narrow(0, 0, c);
-      adamw_step(p, g.narrow(0, off, c), m, v, adam_step_, hyper, nullptr, convert ? &out : nullptr);
-      if (!convert) out.copy_(p);
-      if (direct) continue;
-      auto t0 = Clock::now();
-      dst.narrow(0, off, c).copy_(out);  // synchronous: the staging buffer is refilled next
-      inner_seconds_["copy_h2d"] += seconds_since(t0);
-    }
+    inner_seconds_["copy_h2d"] += dssim::tb::host_step_and_publish(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper,
+                                                                   dst, staging16_);
+    const int64_t n = master_.numel();
     count_copy(Op::CopyH2D, Purpose::OffloadParam, double(n) * elt16());  // the Program's CopyH2D
   }
 

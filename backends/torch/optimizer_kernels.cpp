@@ -1,5 +1,6 @@
 #include "backends/torch/optimizer_kernels.hpp"
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 #include <thread>
@@ -92,6 +93,28 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
     throw std::invalid_argument("adamw_step: out16 must be bf16 or fp16");
   }
   fused_loop<void>(pp, gp, mp, vp, nullptr, n, h, step);
+}
+
+double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
+                             const AdamWHyper& h, at::Tensor dst, at::Tensor& staging) {
+  const int64_t n = p.numel(), chunk = std::min<int64_t>(n, int64_t(1) << 26);
+  const bool direct = dst.is_cpu();
+  const bool convert = dst.scalar_type() != at::kFloat;
+  if (!direct && !staging.defined())
+    staging = at::empty({chunk}, dst.options().device(at::kCPU).pinned_memory(dst.is_cuda()));
+  double copy_seconds = 0;
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int64_t c = std::min(chunk, n - off);
+    at::Tensor pc = p.narrow(0, off, c), mc = m.narrow(0, off, c), vc = v.narrow(0, off, c);
+    at::Tensor out = direct ? dst.narrow(0, off, c) : staging.narrow(0, 0, c);
+    adamw_step(pc, g.narrow(0, off, c), mc, vc, step, h, nullptr, convert ? &out : nullptr);
+    if (!convert) out.copy_(pc);
+    if (direct) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    dst.narrow(0, off, c).copy_(out);  // synchronous: the staging buffer is refilled next
+    copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return copy_seconds;
 }
 
 namespace {

@@ -32,6 +32,14 @@ constexpr double kStepBytesPerParam16 =
 void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
                 const AdamWHyper& h, at::Tensor* step_tensor = nullptr, at::Tensor* out16 = nullptr);
 
+// ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): AdamW over host fp32 p, g, m, v
+// in chunks of 2^26 elements, each chunk's updated parameters written into `dst` (16-bit or fp32,
+// host or device) in the same pass; chunks bound for a device go through one pinned buffer
+// (`staging`, allocated on first use), copied synchronously. Returns the seconds spent copying.
+// The engine's HostOptimizerStep and `dssim calibrate`'s host_adamw rows both run this.
+double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
+                             const AdamWHyper& h, at::Tensor dst, at::Tensor& staging);
+
 // acc += scale * src on the host, src fp32 or 16-bit (ZeRO-Offload's gradient accumulation into
 // the host fp32 buffer): one parallel pass, no temporary.
 // `threads` 0: at::get_num_threads().
