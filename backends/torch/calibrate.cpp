@@ -242,6 +242,17 @@ void say(const CalibrateOptions& o, const std::string& line) {
   if (o.progress) o.progress(line);
 }
 
+// Appends an `elementwise` row (bytes moved in `seconds`) and returns its bytes/s.
+double add_bandwidth_row(DeviceProfile& p, const char* op, Dtype dtype, double bytes, double seconds) {
+  BandwidthPoint r;
+  r.op = op;
+  r.dtype = dtype;
+  r.bytes = bytes;
+  r.bytes_per_second = bytes / seconds;
+  p.elementwise.push_back(r);
+  return r.bytes_per_second;
+}
+
 std::string fmt(double v, const char* unit) {
   std::ostringstream s;
   s.precision(4);
@@ -416,13 +427,7 @@ void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Dev
     for (int64_t n : g.elements) {
       at::Tensor a = at::randn({n}, opts), b = at::randn({n}, opts), c = at::empty({n}, opts);
       auto record = [&](const char* op, double bytes, double sec) {
-        BandwidthPoint r;
-        r.op = op;
-        r.dtype = dtype;
-        r.bytes = bytes;
-        r.bytes_per_second = bytes / sec;
-        best = std::max(best, r.bytes_per_second);
-        p.elementwise.push_back(r);
+        best = std::max(best, add_bandwidth_row(p, op, dtype, bytes, sec));
       };
       record("add", 3 * e * n, timer.measure([&] { at::add_out(c, a, b); }, o.seconds_per_point));
       record("gelu", 2 * e * n, timer.measure([&] { (void)at::gelu(a); }, o.seconds_per_point));
@@ -462,16 +467,11 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
     std::map<std::string, std::pair<int, double>> made;  // op -> rows, best bytes/s
     int clamped = 0;
     auto record = [&](const char* op, double bytes, double sec) {
-      BandwidthPoint r;
-      r.op = op;
-      r.dtype = dtype;
-      r.bytes = bytes;
-      r.bytes_per_second = bytes / sec;
-      p.elementwise.push_back(r);
+      const double rate = add_bandwidth_row(p, op, dtype, bytes, sec);
       if (!made.count(op)) order.push_back(op);
       auto& m = made[op];
       ++m.first;
-      m.second = std::max(m.second, r.bytes_per_second);
+      m.second = std::max(m.second, rate);
     };
     // One kernel family; a failure (a kernel this libtorch lacks for the dtype, out of memory)
     // keeps the rows measured so far and becomes a note, not the end of the calibration.
@@ -612,13 +612,7 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
         g32.zero_();    // clear
         p16.copy_(p32); // publish
       }, o.seconds_per_point);
-      BandwidthPoint r;
-      r.op = "optimizer_step";
-      r.dtype = dtype;
-      r.bytes = kStepBytesPerParam16 * double(n);
-      r.bytes_per_second = r.bytes / sec;
-      best = std::max(best, r.bytes_per_second);
-      p.elementwise.push_back(r);
+      best = std::max(best, add_bandwidth_row(p, "optimizer_step", dtype, kStepBytesPerParam16 * double(n), sec));
     }
     say(o, "optimizer step " + std::string(to_string(dtype)) + " (fold + fused AdamW + clear + publish, " +
                fmt(kStepBytesPerParam16, "bytes/param") + "): " + std::to_string(g.optimizer.size()) + " sizes up to " +
@@ -657,13 +651,7 @@ void measure_host_adamw(const CalibrateOptions& o, const Grid& g, const at::Devi
     while (samples.size() < 3 || (samples.size() < 15 && seconds_since(m0) < o.seconds_per_point)) samples.push_back(one());
     std::sort(samples.begin(), samples.end());
     const double sec = samples[samples.size() / 2];
-    BandwidthPoint r;
-    r.op = "host_adamw";
-    r.dtype = Dtype::fp32;
-    r.bytes = kHostAdamWBytesPerParam * double(n);
-    r.bytes_per_second = r.bytes / sec;
-    best = std::max(best, r.bytes_per_second);
-    p.elementwise.push_back(r);
+    best = std::max(best, add_bandwidth_row(p, "host_adamw", Dtype::fp32, kHostAdamWBytesPerParam * double(n), sec));
   }
   // ZeRO-Offload's gradient accumulation on the host (host_accumulate: fp32 += scale * bf16, the
   // engine's copy_gradients_to_host), bytes = 10 x N (read 2 + 4, write 4). Up to 256M elements.
@@ -673,13 +661,7 @@ void measure_host_adamw(const CalibrateOptions& o, const Grid& g, const at::Devi
     if (n > (int64_t(1) << 28)) break;
     at::Tensor acc = at::zeros({n}, f32), src = at::full({n}, 1e-3, f32.dtype(at::kBFloat16));
     const double sec = timer.measure([&] { host_accumulate(acc, src, 0.5); }, o.seconds_per_point);
-    BandwidthPoint r;
-    r.op = "host_accumulate";
-    r.dtype = Dtype::fp32;
-    r.bytes = 10.0 * double(n);
-    r.bytes_per_second = r.bytes / sec;
-    best_acc = std::max(best_acc, r.bytes_per_second);
-    p.elementwise.push_back(r);
+    best_acc = std::max(best_acc, add_bandwidth_row(p, "host_accumulate", Dtype::fp32, 10.0 * double(n), sec));
     ++acc_rows;
   }
   const int nthreads = at::get_num_threads();

@@ -999,7 +999,7 @@ class Engine {
         cuda_reset_peak(dev_);
       }
       auto t0 = Clock::now();
-      const auto inner0 = inner_seconds_;
+      const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
       const double cw0 = comm_wait_seconds_;
       for (int rep = 0; rep < std::max(1, in.repeat); ++rep) {
         switch (in.op) {

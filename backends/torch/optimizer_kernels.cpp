@@ -33,11 +33,10 @@ void parallel_range(int64_t n, const F& body, int max_threads = 0) {
 template <class T16>
 void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
                 int64_t step) {
-  const float lr = float(h.lr), b1 = float(h.beta1), b2 = float(h.beta2), eps = float(h.eps);
+  const float b1 = float(h.beta1), b2 = float(h.beta2), eps = float(h.eps);
   const float decay = float(1.0 - h.lr * h.weight_decay);
   const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
   const float step_size = float(h.lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
-  (void)lr;
   parallel_range(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i];

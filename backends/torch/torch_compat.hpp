@@ -48,31 +48,21 @@ inline void device_synchronize(const at::Device& d) {
 #endif
 }
 
-// Peak bytes allocated by libtorch's CUDA caching allocator; -1 where there is none.
-inline double cuda_peak_allocated_bytes(const at::Device& d) {
+// Bytes allocated by libtorch's CUDA caching allocator, now or at the peak; -1 where there is none.
+inline double cuda_allocated_stat(const at::Device& d, bool peak) {
 #if defined(DSSIM_TORCH_CUDA)
   if (d.is_cuda()) {
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
-    return double(stats.allocated_bytes[0].peak);
+    const auto& s = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index()).allocated_bytes[0];
+    return double(peak ? s.peak : s.current);
   }
 #else
   (void)d;
+  (void)peak;
 #endif
   return -1;
 }
-
-// Bytes allocated now by libtorch's CUDA caching allocator; -1 where there is none.
-inline double cuda_allocated_bytes(const at::Device& d) {
-#if defined(DSSIM_TORCH_CUDA)
-  if (d.is_cuda()) {
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
-    return double(stats.allocated_bytes[0].current);
-  }
-#else
-  (void)d;
-#endif
-  return -1;
-}
+inline double cuda_peak_allocated_bytes(const at::Device& d) { return cuda_allocated_stat(d, true); }
+inline double cuda_allocated_bytes(const at::Device& d) { return cuda_allocated_stat(d, false); }
 // Restarts the allocator's peak counters (cuda_peak_allocated_bytes then reports the peak since).
 inline void cuda_reset_peak(const at::Device& d) {
 #if defined(DSSIM_TORCH_CUDA)
