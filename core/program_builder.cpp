@@ -42,8 +42,9 @@ constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 constexpr double kAdamFlopsPerParam = 16;
 double device_step_bytes_per_param(int g) { return (2.0 * g + 8) + 28 + 4 + (4 + g); }
 // ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): the AdamW pass on host fp32
-// tensors, writing the g-byte copy for the device in the same pass.
-double host_step_bytes_per_param(int g) { return 28 + double(g); }
+// tensors (28), clearing the fp32 gradients (4) and writing the g-byte copy for the device in the
+// same pass.
+double host_step_bytes_per_param(int g) { return 28 + 4 + double(g); }
 
 struct Tensor {
   int64_t numel;

@@ -23,6 +23,10 @@ while [[ $# -gt 0 ]]; do
 done
 source "$ROOT/scripts/gpu_common.sh"
 gpu_build dssim_torch_run dssim_calibrate_run
+# The host the offloaded scenario's optimizer runs on: CPU, NUMA nodes, transparent huge pages.
+{ lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA)" || true
+  echo "THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null), defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null)"
+  free -g | head -2; } >> "$OUT/gpu.txt"
 
 
 # The device returns at most 8 files from $OUT: one JSON per scenario, the profile, and one log

@@ -622,9 +622,10 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
 }
 
 // CPU offload's optimizer: adamw_step on host fp32 tensors (p, g, m, v) writing the updated
-// weights as bf16 (out16), one process over all the host's threads. Rows `host_adamw`, dtype fp32,
-// bytes = 30 x N (read p, g, m, v: 16; write p, m, v: 12; the bf16 copy: 2).
-constexpr double kHostAdamWBytesPerParam = 30;
+// weights as bf16 (out16) and clearing g, one process over all the host's threads. Rows
+// `host_adamw`, dtype fp32, bytes = 34 x N (read p, g, m, v: 16; write p, m, v, g: 16; the bf16
+// copy: 2): kHostStepBytesPerParam16.
+constexpr double kHostAdamWBytesPerParam = kHostStepBytesPerParam16;
 
 // As the engine's HostOptimizerStep runs it: host_step_and_publish (chunks of 2^26, each chunk's
 // bf16 parameters copied to the device being calibrated through a pinned buffer); the copies' time
@@ -670,7 +671,7 @@ void measure_host_adamw(const CalibrateOptions& o, const Grid& g, const at::Devi
                              threads + " on " + cpu);
   say(o, "host gradient accumulation (10 bytes/element): " + std::to_string(acc_rows) + " sizes, best " +
              fmt(best_acc / 1e9, "GB/s"));
-  say(o, "host adamw (" + cpu + ", " + threads + ", 30 bytes/param): " + std::to_string(g.host_adamw.size()) +
+  say(o, "host adamw (" + cpu + ", " + threads + ", " + fmt(kHostAdamWBytesPerParam, "bytes/param") + "): " + std::to_string(g.host_adamw.size()) +
              " sizes up to " + fmt(double(g.host_adamw.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
              fmt(best / kHostAdamWBytesPerParam / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");
 }

@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -82,10 +83,21 @@ class HostAccumulator {
     {
       std::unique_lock<std::mutex> l(mu_);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      const auto t0 = Clock::now();
       done_cv_.wait(l, [this] { return jobs_.size() < kMaxQueued; });
+      stats_.submit_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
       jobs_.push_back(std::move(job));
     }
     cv_.notify_all();
+  }
+  // Where the offloaded gradients' host side spends its time: the worker's busy seconds, and the
+  // seconds the submitting (GPU-driving) thread waited for room in the queue.
+  struct Stats {
+    double busy_seconds = 0, submit_wait_seconds = 0;
+  };
+  Stats take_stats() {
+    std::lock_guard<std::mutex> l(mu_);
+    return std::exchange(stats_, Stats{});
   }
   void drain() {
     std::unique_lock<std::mutex> l(mu_);
@@ -107,13 +119,16 @@ class HostAccumulator {
       jobs_.pop_front();
       busy_ = true;
       l.unlock();
+      const auto t0 = Clock::now();
       try {
         job();
       } catch (...) {
         std::lock_guard<std::mutex> g(mu_);
         if (!error_) error_ = std::current_exception();
       }
+      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
       l.lock();
+      stats_.busy_seconds += dt;
       busy_ = false;
       done_cv_.notify_all();  // drain() and a waiting submit()
     }
@@ -123,6 +138,7 @@ class HostAccumulator {
   std::deque<std::function<void()>> jobs_;
   bool busy_ = false, stop_ = false;
   std::exception_ptr error_;
+  Stats stats_;
   std::thread worker_;
 };
 
@@ -571,8 +587,11 @@ class Engine {
       auto copied = copy_to_host_async(host, t);
       const double scale = scale_for_average();
       const int threads = std::max(1, at::get_num_threads() - 2);
-      host_acc_.submit([acc, host, scale, threads, copied]() mutable {
+      if (measuring_) host_acc_bytes_ += 10.0 * double(t.numel());  // read 2 + 4, write 4 (host_accumulate)
+      host_acc_.submit([acc, host, scale, threads, copied, waited = &host_copy_wait_seconds_]() mutable {
+        const auto t0 = Clock::now();
         copied();
+        *waited += seconds_since(t0);  // only the worker writes it; read after drain()
         host_accumulate(acc, host, scale, threads);
       });
     }
@@ -772,9 +791,9 @@ class Engine {
     adam_step_ += 1;
     const auto& opt = sc_.optimizer;
     const AdamWHyper hyper{opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay};
+    // Both clear grad_acc_ (g) for the next step, the host one in the AdamW pass itself.
     if (offload_) host_step_and_publish(g, hyper);
-    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_);
-    grad_acc_.zero_();
+    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
     if (fp16_) scaler_.update(false);
     if (!offload_) publish_master();
   }
@@ -1089,6 +1108,8 @@ class Engine {
   std::vector<bool> gathered_;
   at::Tensor adam_step_tensor_, staging16_;
   HostAccumulator host_acc_;  // its jobs hold the tensors they write
+  double host_acc_bytes_ = 0;  // the host sums' memory traffic over the measured steps
+  double host_copy_wait_seconds_ = 0;  // of the worker's busy time, waiting for the copies to land
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
   std::vector<std::vector<int>> group_units_;
@@ -1140,6 +1161,10 @@ EngineResult Engine::run() {
       comm_.reset_counters();
       copy_bytes_.clear();
       copy_calls_.clear();
+      host_acc_.drain();
+      host_acc_.take_stats();
+      host_acc_bytes_ = 0;
+      host_copy_wait_seconds_ = 0;
     }
     loss_sum_ = at::Tensor();
     sync();
@@ -1186,6 +1211,13 @@ EngineResult Engine::run() {
   for (const auto& [k, v] : copy_bytes_) res.comm.bytes[k] += v;
   for (const auto& [k, v] : copy_calls_) res.comm.calls[k] += v;
   res.expected_bytes = expected_;
+  if (offload_) {
+    const auto st = host_acc_.take_stats();
+    res.host_offload["accumulate_seconds"] = st.busy_seconds;
+    res.host_offload["accumulate_bytes"] = host_acc_bytes_;
+    res.host_offload["submit_wait_seconds"] = st.submit_wait_seconds;
+    res.host_offload["copy_wait_seconds"] = host_copy_wait_seconds_;
+  }
   // Memory by category: the engine's own buffers, and the rest of the peak as activations and
   // temporaries.
   // With the optimizer offloaded the fp32 gradient buffer is a host one, counted with the states.

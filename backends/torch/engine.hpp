@@ -25,6 +25,9 @@ struct EngineResult {
   CommCounters comm;                 // over the measured steps
   std::map<std::string, double> expected_bytes;  // Program's size bytes, same keys, same steps
   std::map<std::string, double> memory_bytes;    // peak by category
+  // Optimizer offload, over the measured steps: the host gradient sums' busy seconds and bytes
+  // (the worker thread), and the seconds the GPU-driving thread waited for room in their queue.
+  std::map<std::string, double> host_offload;
   int64_t first_step = 1;            // 1 unless resumed
   // CUDA: the first measured step, instruction by instruction: bytes allocated after it and the
   // allocator's peak while it ran (what the memory model's categories are checked against).

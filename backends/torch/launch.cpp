@@ -132,6 +132,11 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
     if (res.skipped[i]) skipped.push_back(int(res.first_step + i));
   measured["skipped_steps"] = skipped;
   measured["memory_bytes"] = res.memory_bytes;
+  if (!res.host_offload.empty()) {
+    nlohmann::json h = nlohmann::json::object();
+    for (const auto& [k, v] : res.host_offload) h[k] = v / n;
+    measured["host_offload_per_iteration"] = h;
+  }
   if (!res.memory_timeline.empty()) {
     nlohmann::json tl = nlohmann::json::array();
     for (const auto& p : res.memory_timeline)

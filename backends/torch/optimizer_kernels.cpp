@@ -30,9 +30,9 @@ void parallel_range(int64_t n, const F& body, int max_threads = 0) {
   for (auto& th : pool) th.join();
 }
 
-template <class T16>
-void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
-                int64_t step) {
+template <class T16, bool ClearGrad>
+void fused_loop_impl(float* p, float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
+                     int64_t step) {
   const float b1 = float(h.beta1), b2 = float(h.beta2), eps = float(h.eps);
   const float decay = float(1.0 - h.lr * h.weight_decay);
   const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
@@ -46,15 +46,23 @@ void fused_loop(float* p, const float* g, float* m, float* v, T16* out, int64_t 
       m[i] = mi;
       v[i] = vi;
       p[i] = pi;
+      if constexpr (ClearGrad) g[i] = 0.0f;  // the next step's buffer, cleared while its line is in cache
       if constexpr (!std::is_same_v<T16, void>) out[i] = T16(pi);
     }
   });
 }
 
+template <class T16>
+void fused_loop(float* p, float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h, int64_t step,
+                bool clear_grad) {
+  if (clear_grad) fused_loop_impl<T16, true>(p, g, m, v, out, n, h, step);
+  else fused_loop_impl<T16, false>(p, g, m, v, out, n, h, step);
+}
+
 }  // namespace
 
 void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
-                const AdamWHyper& h, at::Tensor* step_tensor, at::Tensor* out16) {
+                const AdamWHyper& h, at::Tensor* step_tensor, at::Tensor* out16, bool clear_grad) {
 #if DSSIM_TORCH_AT_LEAST(2, 4)
   if (p.is_cuda()) {
     // torch.optim.AdamW(fused=True)'s kernel on the flat shard: one pass over p, g, m, v.
@@ -63,6 +71,7 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
     step_tensor->fill_(double(step));
     std::vector<at::Tensor> ps{p}, gs{g}, ms{m}, vs{v}, none, steps{*step_tensor};
     at::_fused_adamw_(ps, gs, ms, vs, none, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
+    if (clear_grad) g.zero_();
     return;
   }
 #endif
@@ -75,6 +84,7 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
     const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
     auto denom = (v.sqrt() / std::sqrt(bc2)).add_(h.eps);
     p.addcdiv_(m, denom, -h.lr / bc1);
+    if (clear_grad) g.zero_();
     return;
   }
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&p), &g, static_cast<const at::Tensor*>(&m), static_cast<const at::Tensor*>(&v)})
@@ -82,16 +92,17 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
       throw std::invalid_argument("adamw_step: p, g, m, v must be contiguous fp32 tensors of one size");
   const int64_t n = p.numel();
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
+  float* gp = g.data_ptr<float>();  // written only when clear_grad
   if (out16 && out16->defined()) {
     if (!out16->is_cpu() || !out16->is_contiguous() || out16->numel() != n)
       throw std::invalid_argument("adamw_step: out16 must be a contiguous host tensor of p's size");
     if (out16->scalar_type() == at::kBFloat16)
-      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::BFloat16>(), n, h, step);
-    if (out16->scalar_type() == at::kHalf) return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::Half>(), n, h, step);
+      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::BFloat16>(), n, h, step, clear_grad);
+    if (out16->scalar_type() == at::kHalf)
+      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::Half>(), n, h, step, clear_grad);
     throw std::invalid_argument("adamw_step: out16 must be bf16 or fp16");
   }
-  fused_loop<void>(pp, gp, mp, vp, nullptr, n, h, step);
+  fused_loop<void>(pp, gp, mp, vp, nullptr, n, h, step, clear_grad);
 }
 
 double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
@@ -106,7 +117,7 @@ double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, 
     const int64_t c = std::min(chunk, n - off);
     at::Tensor pc = p.narrow(0, off, c), mc = m.narrow(0, off, c), vc = v.narrow(0, off, c);
     at::Tensor out = direct ? dst.narrow(0, off, c) : staging.narrow(0, 0, c);
-    adamw_step(pc, g.narrow(0, off, c), mc, vc, step, h, nullptr, convert ? &out : nullptr);
+    adamw_step(pc, g.narrow(0, off, c), mc, vc, step, h, nullptr, convert ? &out : nullptr, /*clear_grad=*/true);
     if (!convert) out.copy_(pc);
     if (direct) continue;
     const auto t0 = std::chrono::steady_clock::now();

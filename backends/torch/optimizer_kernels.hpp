@@ -23,19 +23,27 @@ constexpr double kFoldBytesPerParam16 = 12, kAdamWBytesPerParam = 28, kClearByte
                  kPublishBytesPerParam16 = 6;
 constexpr double kStepBytesPerParam16 =
     kFoldBytesPerParam16 + kAdamWBytesPerParam + kClearBytesPerParam + kPublishBytesPerParam16;
+// The offloaded step on the host (host_step_and_publish), per parameter: the AdamW pass, the
+// gradient buffer's clear in the same pass, and the 16-bit copy written for the device
+// (core/program_builder.cpp's host_step_bytes_per_param; the profile's `host_adamw` rows).
+constexpr double kHostStepBytesPerParam16 = kAdamWBytesPerParam + kClearBytesPerParam + 2;
 
 // torch.optim.AdamW on one flat fp32 shard, `step` 1-based. On CUDA (libtorch >= 2.4) the fused
 // multi-tensor kernel of AdamW(fused=True); elsewhere a fused loop (one pass over p, g, m, v,
 // parallel over chunks, as DeepSpeed's CPUAdam does), with no full-size temporaries. When `out16`
 // is defined (a host tensor of 16-bit dtype, same numel) the loop also writes the updated
 // parameters converted to it (DeepSpeed's step-plus-copy).
+// `clear_grad`: g is zeroed afterwards (on the host in the same pass: 4 more bytes written per
+// parameter instead of a separate fill's 8 of write and read-for-ownership).
 void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
-                const AdamWHyper& h, at::Tensor* step_tensor = nullptr, at::Tensor* out16 = nullptr);
+                const AdamWHyper& h, at::Tensor* step_tensor = nullptr, at::Tensor* out16 = nullptr,
+                bool clear_grad = false);
 
 // ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): AdamW over host fp32 p, g, m, v
 // in chunks of 2^26 elements, each chunk's updated parameters written into `dst` (16-bit or fp32,
 // host or device) in the same pass; chunks bound for a device go through one pinned buffer
-// (`staging`, allocated on first use), copied synchronously. Returns the seconds spent copying.
+// (`staging`, allocated on first use), copied synchronously. g is zeroed in the same pass (the
+// gradient buffer's clear for the next step). Returns the seconds spent copying.
 // The engine's HostOptimizerStep and `dssim calibrate`'s host_adamw rows both run this.
 double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
                              const AdamWHyper& h, at::Tensor dst, at::Tensor& staging);

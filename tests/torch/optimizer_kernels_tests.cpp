@@ -37,6 +37,28 @@ TEST_CASE("host AdamW: the fused loop is torch.optim.AdamW", "[optimizer]") {
   REQUIRE(at::equal(out16, p.to(at::kBFloat16)));  // the step-plus-copy writes the rounded parameters
 }
 
+TEST_CASE("host step-plus-copy: AdamW chunk by chunk, the 16-bit copy written, the gradients cleared",
+          "[optimizer]") {
+  torch::manual_seed(11);
+  const int64_t n = (int64_t(1) << 26) + 4099;  // two chunks of host_step_and_publish, the second ragged
+  const AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1};
+  at::Tensor p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n}), g = at::randn({n}) * 0.01;
+  at::Tensor rp = p.clone(), rm = m.clone(), rv = v.clone(), rg = g.clone();
+  at::Tensor dst = at::empty({n}, at::kBFloat16), staging;
+  const double copy_seconds = host_step_and_publish(p, g, m, v, 1, h, dst, staging);
+  REQUIRE(copy_seconds == 0);  // a host destination is written in the pass itself
+  adamw_step(rp, rg, rm, rv, 1, h, nullptr, nullptr, /*clear_grad=*/true);
+  REQUIRE(at::equal(p, rp));
+  REQUIRE(at::equal(m, rm));
+  REQUIRE(at::equal(dst, p.to(at::kBFloat16)));
+  REQUIRE(g.abs().max().item<float>() == 0.0f);  // the next step's gradient buffer starts at zero
+  REQUIRE(rg.abs().max().item<float>() == 0.0f);
+  at::Tensor kept = at::randn({1000});
+  at::Tensor pk = at::randn({1000}), mk = at::zeros({1000}), vk = at::zeros({1000}), g_before = kept.clone();
+  adamw_step(pk, kept, mk, vk, 1, h);  // without clear_grad the gradients are only read
+  REQUIRE(at::equal(kept, g_before));
+}
+
 TEST_CASE("host gradient accumulation adds scale * src in one pass", "[optimizer]") {
   torch::manual_seed(3);
   const int64_t n = 200003;
