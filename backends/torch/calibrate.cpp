@@ -655,22 +655,24 @@ void measure_host_adamw(const CalibrateOptions& o, const Grid& g, const at::Devi
     best = std::max(best, add_bandwidth_row(p, "host_adamw", Dtype::fp32, kHostAdamWBytesPerParam * double(n), sec));
   }
   // ZeRO-Offload's gradient accumulation on the host (host_accumulate: fp32 += scale * bf16, the
-  // engine's copy_gradients_to_host), bytes = 10 x N (read 2 + 4, write 4). Up to 256M elements.
+  // engine's copy_gradients_to_host, on as many threads), bytes = 10 x N (read 2 + 4, write 4).
+  // Up to 256M elements.
   double best_acc = 0;
   int acc_rows = 0;
   for (int64_t n : g.host_adamw) {
     if (n > (int64_t(1) << 28)) break;
     at::Tensor acc = at::zeros({n}, f32), src = at::full({n}, 1e-3, f32.dtype(at::kBFloat16));
-    const double sec = timer.measure([&] { host_accumulate(acc, src, 0.5); }, o.seconds_per_point);
+    const double sec = timer.measure([&] { host_accumulate(acc, src, 0.5, host_accumulate_threads()); }, o.seconds_per_point);
     best_acc = std::max(best_acc, add_bandwidth_row(p, "host_accumulate", Dtype::fp32, 10.0 * double(n), sec));
     ++acc_rows;
   }
   const int nthreads = at::get_num_threads();
   const std::string threads = std::to_string(nthreads) + (nthreads == 1 ? " thread" : " threads");
-  p.metadata.notes.push_back("host_adamw: adamw_step on host fp32 tensors + bf16 copy (and host_accumulate), one process, " +
-                             threads + " on " + cpu);
-  say(o, "host gradient accumulation (10 bytes/element): " + std::to_string(acc_rows) + " sizes, best " +
-             fmt(best_acc / 1e9, "GB/s"));
+  const std::string acc_threads = std::to_string(host_accumulate_threads()) + " threads";
+  p.metadata.notes.push_back("host_adamw: adamw_step on host fp32 tensors + bf16 copy, one process, " + threads +
+                             " on " + cpu + "; host_accumulate on " + acc_threads);
+  say(o, "host gradient accumulation (10 bytes/element, " + acc_threads + "): " + std::to_string(acc_rows) +
+             " sizes, best " + fmt(best_acc / 1e9, "GB/s"));
   say(o, "host adamw (" + cpu + ", " + threads + ", " + fmt(kHostAdamWBytesPerParam, "bytes/param") + "): " + std::to_string(g.host_adamw.size()) +
              " sizes up to " + fmt(double(g.host_adamw.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
              fmt(best / kHostAdamWBytesPerParam / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");

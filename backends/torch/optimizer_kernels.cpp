@@ -136,6 +136,8 @@ void accumulate_loop(float* acc, const T* src, int64_t n, float scale, int threa
 }
 }  // namespace
 
+int host_accumulate_threads() { return std::max(1, at::get_num_threads() - 2); }
+
 void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale, int threads) {
   if (!acc.is_cpu() || !src.is_cpu() || acc.scalar_type() != at::kFloat || !acc.is_contiguous() ||
       !src.is_contiguous() || acc.numel() != src.numel()) {

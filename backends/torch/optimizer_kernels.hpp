@@ -53,4 +53,9 @@ double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, 
 // `threads` 0: at::get_num_threads().
 void host_accumulate(at::Tensor acc, const at::Tensor& src, double scale, int threads = 0);
 
+// The threads of the engine's host gradient sums during the backward (and of calibrate's
+// host_accumulate rows): all of libtorch's but two, which the thread driving the GPU and the
+// sums' worker keep.
+int host_accumulate_threads();
+
 }  // namespace dssim::tb

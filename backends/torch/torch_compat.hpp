@@ -39,10 +39,20 @@ inline cudaStream_t torch_current_stream(int device) {
 }
 #endif
 
-// Waits for the device's queued work (timing); a no-op on CPUs.
+// Waits for the device's queued work on every stream (step boundaries); a no-op on CPUs.
 inline void device_synchronize(const at::Device& d) {
 #if defined(DSSIM_TORCH_CUDA)
   if (d.is_cuda()) c10::cuda::device_synchronize();
+#else
+  (void)d;
+#endif
+}
+
+// Waits for the work queued on the current (compute) stream only: timing an instruction this way
+// leaves side-stream copies running under the next instruction, as they do when not timed.
+inline void stream_synchronize(const at::Device& d) {
+#if defined(DSSIM_TORCH_CUDA)
+  if (d.is_cuda()) c10::cuda::getCurrentCUDAStream(d.index()).synchronize();
 #else
   (void)d;
 #endif
@@ -52,7 +62,9 @@ inline void device_synchronize(const at::Device& d) {
 inline double cuda_allocated_stat(const at::Device& d, bool peak) {
 #if defined(DSSIM_TORCH_CUDA)
   if (d.is_cuda()) {
-    const auto& s = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index()).allocated_bytes[0];
+    // By value: getDeviceStats returns a temporary (a reference into it dangled, and read garbage).
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    const auto& s = stats.allocated_bytes[0];
     return double(peak ? s.peak : s.current);
   }
 #else
