@@ -1,6 +1,7 @@
 #include "core/timeline.hpp"
 
 #include <algorithm>
+#include <vector>
 
 namespace dssim {
 
@@ -75,12 +76,24 @@ TimeBreakdown attribute_time(const Program& program, const Timeline& timeline, i
     cursor = sp.end;
   }
   // Work that runs past the compute stream's end (a trailing gradient reduction or parameter
-  // all-gather) is exposed; the rest of the iteration this rank waits for the slowest one.
+  // all-gather; with offload the last gradient copies, the host step and the parameters' copy
+  // back) is exposed, each stretch under the instruction that ends it, in the order they end:
+  // the host step's seconds count as optimizer, the copies' as offload. The rest of the
+  // iteration this rank waits for the slowest one.
   if (rank_end > cursor && last_ending >= 0) {
-    const Instruction& in = rp.instructions[last_ending];
-    double* bucket = is_compute(in.op) ? (in.op == Op::HostOptimizerStep ? &t.optimizer : &t.bubble)
-                                       : busy_bucket(t, in);
-    *bucket += rank_end - cursor;
+    std::vector<uint32_t> tail;
+    for (uint32_t i = 0; i < rp.instructions.size(); ++i)
+      if (rp.instructions[i].stream != Stream::Compute && spans[i].end > cursor) tail.push_back(i);
+    std::sort(tail.begin(), tail.end(), [&](uint32_t a, uint32_t b) { return spans[a].end < spans[b].end; });
+    double covered = cursor;
+    for (uint32_t i : tail) {
+      const double from = std::max(covered, spans[i].start);
+      if (spans[i].end <= from) continue;
+      const Instruction& in = rp.instructions[i];
+      *(is_compute(in.op) && in.op != Op::HostOptimizerStep ? &t.bubble : busy_bucket(t, in)) += spans[i].end - from;
+      t.bubble += from - covered;  // a gap with nothing running between two of them
+      covered = spans[i].end;
+    }
   }
   t.idle = std::max(0.0, timeline.makespan - std::max(rank_end, cursor));
   return t;

@@ -184,6 +184,24 @@ m = rec["report"]["throughput"]["iteration_seconds"]
 assert m == live["iteration_seconds"]["measured"] and m > 0
 PY
     ;;
+  compare_offload_record)
+    # The committed 7B offload measurement: the copy rows compare like with like (the simulator's
+    # copy stream against the engine's host worker), the exposed part has a row of its own.
+    rec=validation/measured/h200_7b_zero3_offload.json
+    run compare --measured "$rec" --json
+    expect_rc 0
+    python3 - "$TMP/out" "$rec" <<'PY' || fail "compare check failed"
+import json, sys
+c, rec = (json.load(open(p)) for p in sys.argv[1:3])
+kinds = {k["kind"]: k for k in c["kinds"]}
+busy = rec["report"]["extras"]["measured"]["host_offload_per_iteration"]["accumulate_seconds"]
+assert kinds["copy_d2h"]["measured_seconds"] == busy, kinds["copy_d2h"]
+assert kinds["exposed_offload"]["measured_seconds"] == rec["report"]["time_seconds"]["exposed_offload"]
+for k in ("copy_d2h", "exposed_offload", "host_optimizer_step", "backward"):
+    assert kinds[k]["simulated_seconds"] > 0, k
+assert abs(c["iteration_seconds"]["error"]) < 0.05, c["iteration_seconds"]
+PY
+    ;;
   compare_bad_input)
     run compare scenarios/tiny/tiny_dp1.yaml
     expect_rc 2

@@ -116,3 +116,25 @@ TEST_CASE("a scenario that does not fit gets changes that make it fit", "[analyt
     }
   }
 }
+
+TEST_CASE("offload: the work after the compute stream's end is split by instruction (host step = optimizer)",
+          "[analytic]") {
+  Scenario sc = load_scenario("tiny/tiny_pp3");
+  sc.parallel.pp = 1;
+  sc.cluster.gpus_per_node = 1;
+  sc.cluster.nodes = 1;
+  sc.zero.stage = 3;
+  sc.zero.offload_optimizer = true;
+  const Program p = build_program(sc, {});
+  // Forward 1, backward 2, each gradient copy 0.5, the host step 10, the copy back 3.
+  std::vector<std::vector<double>> cost(1);
+  for (const Instruction& in : p.ranks[0].instructions)
+    cost[0].push_back(in.op == Op::Forward ? 1.0 : in.op == Op::Backward ? 2.0 : in.op == Op::CopyD2H ? 0.5
+                      : in.op == Op::HostOptimizerStep ? 10.0 : in.op == Op::CopyH2D ? 3.0 : 0.0);
+  const Timeline tl = evaluate_program(p, cost);
+  const TimeBreakdown t = attribute_time(p, tl, 0);
+  CHECK(t.optimizer == Approx(10.0));  // not charged to the copy that ends the iteration
+  // The copy back, and the last gradient copy, which the host step waits for after the backward.
+  CHECK(t.exposed_offload == Approx(3.0 + 0.5));
+  CHECK(t.total() == Approx(tl.makespan));
+}
