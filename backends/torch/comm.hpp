@@ -2,14 +2,17 @@
 // two implementations: gloo (c10d ProcessGroupGloo, CPU tensors) and nccl (NCCL called directly on
 // the backend's own CUDA streams). Both count the bytes of every collective, by kind and purpose,
 // the way the Program counts them (nccl-tests "size": all-reduce the buffer, reduce-scatter the
-// input, all-gather the output).
+// input, all-gather the output), and point-to-point messages by their bytes. Sub-group
+// communicators (tensor / pipeline / data parallel groups) count into their parent's counters.
 #pragma once
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include "core/program.hpp"
@@ -34,12 +37,21 @@ struct CommCounters {
 
 class Communicator {
  public:
-  Communicator(int rank, int size) : rank_(rank), size_(size) {}
+  // A world: members 0..size-1 (their world ranks too), fresh counters.
+  Communicator(int rank, int size);
   virtual ~Communicator() = default;
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // World ranks of the members, by rank of this communicator (0..size-1 for a world).
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  int global_rank() const { return global_ranks_[rank_]; }
   virtual std::string name() const = 0;
 
+  // Maximum over the group, in place (the vocabulary-parallel cross-entropy's max logit).
+  // Counted as an all-reduce.
+  virtual std::shared_ptr<Work> allreduce_max(at::Tensor& t, Purpose p) {
+    throw std::logic_error(name() + " communicator: allreduce_max is not implemented");
+  }
   // Sum over the group, in place.
   virtual std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) = 0;
   // in: size() * out.numel() elements; out gets this rank's slice of the sum.
@@ -54,19 +66,61 @@ class Communicator {
   virtual std::shared_ptr<Work> broadcast(at::Tensor& t, int root, Purpose p) = 0;
   virtual void barrier() = 0;
 
-  const CommCounters& counters() const { return counters_; }
-  void reset_counters() { counters_ = {}; }
+  // Point to point; `peer` is a rank of THIS communicator. Counted as Op::Send / Op::Recv with
+  // purpose p and the message's bytes (numel * element_size), one call each. A send and its recv
+  // match by (peer pair, tag) on gloo, by issue order on NCCL (which has no tags).
+  // The send's Work keeps t alive until done.
+  virtual std::shared_ptr<Work> send(const at::Tensor& t, int peer, int tag, Purpose p) = 0;
+  // t is filled when wait() returns (CPU) / ordered before what follows on libtorch's current
+  // stream (CUDA).
+  virtual std::shared_ptr<Work> recv(at::Tensor& t, int peer, int tag, Purpose p) = 0;
+
+  // A communicator over `ranks` (ranks of this communicator, ascending, this rank among them).
+  // Called by exactly the members of that group, each member creating its groups in the same
+  // order; a group of one rank is an identity communicator. Its collectives and messages count
+  // into this communicator's counters (shared: counters() / reset_counters() of any of them cover
+  // all). `blocking_stream` (NCCL only): run the group's operations on libtorch's current stream
+  // instead of the communicator's own (Megatron runs TP collectives on the compute stream).
+  virtual std::unique_ptr<Communicator> subgroup(const std::vector<int>& ranks,
+                                                 bool blocking_stream = false) = 0;
+
+  const CommCounters& counters() const { return *counters_; }
+  void reset_counters() {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    *counters_ = {};
+  }
 
  protected:
+  // State shared by a world and all its sub-groups.
+  struct Shared {
+    std::mutex mu;                           // count() / reset_counters()
+    std::map<std::string, int> created;      // sub-groups created, by member list
+  };
+  // A sub-group of `parent`: this rank's index among the members, their world ranks.
+  Communicator(int rank, std::vector<int> global_ranks, const Communicator& parent);
+  struct SubgroupSpec {
+    int rank;                  // this rank in the group
+    std::vector<int> global;   // world ranks of the members
+    std::string key;           // "<prefix>/<w0>,<w1>,.../<n>": unique, identical on every member
+  };
+  // Checks `ranks` (ascending, distinct, in range, containing this rank) and names the group.
+  SubgroupSpec subgroup_spec(const std::vector<int>& ranks, const std::string& prefix);
+  // The identity communicator for a sub-group of this rank only.
+  std::unique_ptr<Communicator> self_group() const;
+
   void count(Op op, Purpose p, double bytes) {
-    counters_.bytes[{op, p}] += bytes;
-    counters_.calls[{op, p}] += 1;
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    counters_->bytes[{op, p}] += bytes;
+    counters_->calls[{op, p}] += 1;
   }
   int rank_, size_;
-  CommCounters counters_;
+  std::vector<int> global_ranks_;
+  std::shared_ptr<CommCounters> counters_;
+  std::shared_ptr<Shared> shared_;
 };
 
-// A communicator of one rank: every collective is the identity (still counted, as size bytes).
+// A communicator of one rank: every collective is the identity (still counted, as size bytes);
+// send/recv throw std::logic_error (no peer); subgroup({0}) is another one sharing the counters.
 std::unique_ptr<Communicator> make_local_communicator();
 #ifdef DSSIM_HAVE_GLOO
 std::unique_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,

@@ -4,6 +4,9 @@
 // can overlap the backward kernels that follow it. A watchdog thread watches the outstanding
 // collectives: one that does not finish within the timeout (a dead or hung peer), or an
 // asynchronous NCCL error, aborts the communicator and ends the process with a clear message.
+// Point-to-point messages are ncclSend / ncclRecv on the same stream (NCCL has no tags: a send
+// matches the recv its peer issued in the same order). Sub-groups are NCCL communicators of their
+// own, initialised by their members only (the first member publishes the unique id in the store).
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <atomic>
@@ -44,7 +47,9 @@ class NcclCommunicator;
 
 class NcclWork final : public Work {
  public:
-  NcclWork(cudaEvent_t done, int device) : done_(done), device_(device) {}
+  // `keep`: a tensor the operation reads or writes, alive until this Work is gone.
+  NcclWork(cudaEvent_t done, int device, at::Tensor keep = {})
+      : done_(done), device_(device), keep_(std::move(keep)) {}
   ~NcclWork() override { cudaEventDestroy(done_); }
   void wait() override {
     // Libtorch's stream continues after the collective; the host does not block.
@@ -54,29 +59,138 @@ class NcclWork final : public Work {
  private:
   cudaEvent_t done_;
   int device_;
+  at::Tensor keep_;
 };
 
 class NcclCommunicator final : public Communicator {
  public:
+  // The world: rank 0 publishes the unique id.
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int device,
                    std::chrono::milliseconds timeout)
-      : Communicator(rank, size), device_(device), timeout_(timeout) {
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+      : Communicator(rank, size), store_(store), device_(device), timeout_(timeout) {
+    init("dssim/nccl_unique_id");
+  }
+  // A sub-group of `parent`: its first member publishes the unique id under the group's key.
+  NcclCommunicator(const NcclCommunicator& parent, const SubgroupSpec& spec, bool blocking_stream)
+      : Communicator(spec.rank, spec.global, parent),
+        store_(parent.store_),
+        device_(parent.device_),
+        timeout_(parent.timeout_),
+        blocking_stream_(blocking_stream) {
+    init(spec.key + "/nccl_unique_id");
+  }
+
+  ~NcclCommunicator() override {
+    stop_ = true;
+    if (watchdog_.joinable()) watchdog_.join();
+    ncclCommDestroy(comm_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "nccl"; }
+
+  std::unique_ptr<Communicator> subgroup(const std::vector<int>& ranks, bool blocking_stream) override {
+    SubgroupSpec spec = subgroup_spec(ranks, "dssim/nccl/g");
+    if (spec.global.size() == 1) return self_group();
+    return std::make_unique<NcclCommunicator>(*this, spec, blocking_stream);
+  }
+
+  std::shared_ptr<Work> send(const at::Tensor& t, int peer, int tag, Purpose p) override {
+    (void)tag;
+    check_peer(t, peer, "send");
+    count(Op::Send, p, double(t.numel() * t.element_size()));
+    return launch("send", [&](cudaStream_t s) {
+      return ncclSend(t.data_ptr(), t.numel(), nccl_type(t), peer, comm_, s);
+    }, t);
+  }
+  std::shared_ptr<Work> recv(at::Tensor& t, int peer, int tag, Purpose p) override {
+    (void)tag;
+    check_peer(t, peer, "recv");
+    count(Op::Recv, p, double(t.numel() * t.element_size()));
+    return launch("recv", [&](cudaStream_t s) {
+      return ncclRecv(t.data_ptr(), t.numel(), nccl_type(t), peer, comm_, s);
+    }, t);
+  }
+
+  std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) override {
+    count(Op::AllReduce, p, double(t.numel() * t.element_size()));
+    return launch("all_reduce", [&](cudaStream_t s) {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), ncclSum, comm_, s);
+    });
+  }
+  std::shared_ptr<Work> allreduce_max(at::Tensor& t, Purpose p) override {
+    count(Op::AllReduce, p, double(t.numel() * t.element_size()));
+    return launch("all_reduce_max", [&](cudaStream_t s) {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), ncclMax, comm_, s);
+    });
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: input must be size x output");
+    count(Op::ReduceScatter, p, double(in.numel() * in.element_size()));
+    return launch("reduce_scatter", [&](cudaStream_t s) {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(in), ncclSum, comm_, s);
+    });
+  }
+  std::shared_ptr<Work> all_gather(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    TORCH_CHECK(out.numel() == in.numel() * size_, "all_gather: output must be size x input");
+    count(Op::AllGather, p, double(out.numel() * out.element_size()));
+    return launch("all_gather", [&](cudaStream_t s) {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in), comm_, s);
+    });
+  }
+  std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const std::vector<std::pair<int64_t, int64_t>>& owners,
+                                         Purpose p) override {
+    count(Op::ReduceScatter, p, double(buf.numel() * buf.element_size()));
+    // DeepSpeed's average_tensor: one reduce per owner of a part of the bucket, grouped.
+    return launch("reduce_to_owners", [&](cudaStream_t s) {
+      ncclGroupStart();
+      char* base = static_cast<char*>(buf.data_ptr());
+      const int64_t esz = buf.element_size();
+      for (int r = 0; r < int(owners.size()); ++r) {
+        if (owners[r].second <= 0) continue;
+        void* ptr = base + owners[r].first * esz;
+        ncclReduce(ptr, ptr, owners[r].second, nccl_type(buf), ncclSum, r, comm_, s);
+      }
+      return ncclGroupEnd();
+    });
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor& t, int root, Purpose) override {
+    return launch("broadcast", [&](cudaStream_t s) {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), root, comm_, s);
+    });
+  }
+  void barrier() override {
+    auto t = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+    launch("barrier", [&](cudaStream_t s) {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);
+    })->wait();
+    // The host waits here; the watchdog ends the process if this never completes.
+    check_cuda(cudaStreamSynchronize(op_stream()), "barrier");
+  }
+
+ private:
+  void init(const std::string& key) {
+    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
     ncclUniqueId id;
-    const std::string key = "dssim/nccl_unique_id";
-    if (rank == 0) {
+    if (rank_ == 0) {
       check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
       std::vector<uint8_t> bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof id);
-      store->set(key, bytes);
+      store_->set(key, bytes);
     } else {
-      auto bytes = store->get(key);  // waits up to the store's timeout
+      std::vector<uint8_t> bytes;
+      try {
+        bytes = store_->get(key);  // waits up to the store's timeout
+      } catch (const c10::Error& e) {
+        throw CommError("nccl: no unique id under " + key + " (the group's first member did not "
+                        "create it): " + e.what_without_backtrace());
+      }
       if (bytes.size() != sizeof id) throw CommError("nccl: bad unique id in the store");
       std::memcpy(&id, bytes.data(), sizeof id);
     }
     // Non-blocking init, so a rank that never arrives is a timeout and not a hang.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    check_nccl(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig");
+    check_nccl(ncclCommInitRankConfig(&comm_, size_, id, rank_, &config), "ncclCommInitRankConfig");
     const auto deadline = Clock::now() + timeout_;
     ncclResult_t state = ncclInProgress;
     while (state == ncclInProgress) {
@@ -89,90 +203,47 @@ class NcclCommunicator final : public Communicator {
       if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     check_nccl(state, "ncclCommInitRankConfig");
-    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (!blocking_stream_)
+      check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     watchdog_ = std::thread([this] { watch(); });
   }
 
-  ~NcclCommunicator() override {
-    stop_ = true;
-    if (watchdog_.joinable()) watchdog_.join();
-    ncclCommDestroy(comm_);
-    cudaStreamDestroy(stream_);
+  void check_peer(const at::Tensor& t, int peer, const char* what) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      throw std::invalid_argument(std::string("nccl ") + what + ": bad peer " + std::to_string(peer) +
+                                  " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")");
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "nccl ", what, ": contiguous CUDA tensors only");
   }
 
-  std::string name() const override { return "nccl"; }
+  // The stream this communicator's operations run on.
+  cudaStream_t op_stream() const { return blocking_stream_ ? torch_current_stream(device_) : stream_; }
 
-  std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) override {
-    count(Op::AllReduce, p, double(t.numel() * t.element_size()));
-    return launch("all_reduce", [&] {
-      return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), ncclSum, comm_, stream_);
-    });
-  }
-  std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, Purpose p) override {
-    TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: input must be size x output");
-    count(Op::ReduceScatter, p, double(in.numel() * in.element_size()));
-    return launch("reduce_scatter", [&] {
-      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(in), ncclSum, comm_, stream_);
-    });
-  }
-  std::shared_ptr<Work> all_gather(at::Tensor& out, const at::Tensor& in, Purpose p) override {
-    TORCH_CHECK(out.numel() == in.numel() * size_, "all_gather: output must be size x input");
-    count(Op::AllGather, p, double(out.numel() * out.element_size()));
-    return launch("all_gather", [&] {
-      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in), comm_, stream_);
-    });
-  }
-  std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const std::vector<std::pair<int64_t, int64_t>>& owners,
-                                         Purpose p) override {
-    count(Op::ReduceScatter, p, double(buf.numel() * buf.element_size()));
-    // DeepSpeed's average_tensor: one reduce per owner of a part of the bucket, grouped.
-    return launch("reduce_to_owners", [&] {
-      ncclGroupStart();
-      char* base = static_cast<char*>(buf.data_ptr());
-      const int64_t esz = buf.element_size();
-      for (int r = 0; r < int(owners.size()); ++r) {
-        if (owners[r].second <= 0) continue;
-        void* ptr = base + owners[r].first * esz;
-        ncclReduce(ptr, ptr, owners[r].second, nccl_type(buf), ncclSum, r, comm_, stream_);
-      }
-      return ncclGroupEnd();
-    });
-  }
-  std::shared_ptr<Work> broadcast(at::Tensor& t, int root, Purpose) override {
-    return launch("broadcast", [&] {
-      return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), root, comm_, stream_);
-    });
-  }
-  void barrier() override {
-    auto t = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
-    launch("barrier", [&] {
-      return ncclAllReduce(t.data_ptr(), t.data_ptr(), 1, ncclFloat32, ncclSum, comm_, stream_);
-    })->wait();
-    // The host waits here; the watchdog ends the process if this never completes.
-    check_cuda(cudaStreamSynchronize(stream_), "barrier");
-  }
-
- private:
+  // f(stream) issues the NCCL call(s); `keep` stays alive with the returned Work.
   template <class F>
-  std::shared_ptr<Work> launch(const char* what, F&& f) {
+  std::shared_ptr<Work> launch(const char* what, F&& f, at::Tensor keep = {}) {
     if (failed_) throw CommError(error_);
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-    cudaEvent_t ready, done;
-    check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    const cudaStream_t s = op_stream();
+    if (s != torch_current_stream(device_)) {
+      // Ordered after what libtorch's stream has queued so far.
+      cudaEvent_t ready;
+      check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+      check_cuda(cudaEventRecord(ready, torch_current_stream(device_)), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(s, ready, 0), "cudaStreamWaitEvent");
+      cudaEventDestroy(ready);
+    }
+    cudaEvent_t done;
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(ready, torch_current_stream(device_)), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
-    cudaEventDestroy(ready);
-    check_nccl(f(), what);
-    check_cuda(cudaEventRecord(done, stream_), "cudaEventRecord");
+    check_nccl(f(s), what);
+    check_cuda(cudaEventRecord(done, s), "cudaEventRecord");
     cudaEvent_t watched;
     check_cuda(cudaEventCreateWithFlags(&watched, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(watched, stream_), "cudaEventRecord");
+    check_cuda(cudaEventRecord(watched, s), "cudaEventRecord");
     {
       std::lock_guard<std::mutex> lock(mu_);
       pending_.push_back({watched, Clock::now(), what});
     }
-    return std::make_shared<NcclWork>(done, device_);
+    return std::make_shared<NcclWork>(done, device_, std::move(keep));
   }
 
   void watch() {
@@ -213,8 +284,10 @@ class NcclCommunicator final : public Communicator {
     Clock::time_point issued;
     const char* what;
   };
+  c10::intrusive_ptr<c10d::Store> store_;  // the world's (sub-groups publish their ids in it)
   int device_;
   std::chrono::milliseconds timeout_;
+  bool blocking_stream_ = false;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;

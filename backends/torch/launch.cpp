@@ -27,39 +27,6 @@
 namespace dssim::tb {
 namespace {
 
-class LocalWork final : public Work {
- public:
-  void wait() override {}
-};
-
-// One rank: every collective is the identity.
-class LocalCommunicator final : public Communicator {
- public:
-  LocalCommunicator() : Communicator(0, 1) {}
-  std::string name() const override { return "local"; }
-  std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) override {
-    count(Op::AllReduce, p, double(t.numel() * t.element_size()));
-    return std::make_shared<LocalWork>();
-  }
-  std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, Purpose p) override {
-    count(Op::ReduceScatter, p, double(in.numel() * in.element_size()));
-    out.copy_(in.view(out.sizes()));
-    return std::make_shared<LocalWork>();
-  }
-  std::shared_ptr<Work> all_gather(at::Tensor& out, const at::Tensor& in, Purpose p) override {
-    count(Op::AllGather, p, double(out.numel() * out.element_size()));
-    out.copy_(in.view(out.sizes()));
-    return std::make_shared<LocalWork>();
-  }
-  std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const std::vector<std::pair<int64_t, int64_t>>&,
-                                         Purpose p) override {
-    count(Op::ReduceScatter, p, double(buf.numel() * buf.element_size()));
-    return std::make_shared<LocalWork>();
-  }
-  std::shared_ptr<Work> broadcast(at::Tensor&, int, Purpose) override { return std::make_shared<LocalWork>(); }
-  void barrier() override {}
-};
-
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
   return v && *v ? std::atoi(v) : dflt;
@@ -240,7 +207,7 @@ int run_rank(const Scenario& sc, const RunOptions& o) {
 #endif
       }
     } else {
-      comm = std::make_unique<LocalCommunicator>();
+      comm = make_local_communicator();
     }
     const Program program = build_program(sc);
     const EngineResult res = train(sc, program, *comm, o.engine, device);
