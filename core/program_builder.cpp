@@ -14,7 +14,13 @@
 //    ties broken by sender virtual stage, micro-batch, direction), so the pending pair with the
 //    smallest key can always proceed;
 //  - data-parallel, tensor-parallel, expert and embedding collectives run among ranks of one stage
-//    (or first/last stage at the end), which have identical streams.
+//    (or first/last stage at the end), which have identical streams. The reductions a first / last
+//    stage holds back until after the EmbeddingSync (tied embeddings) are the same buckets on every
+//    rank of the stage, so its DP groups still see one order; the embedding group's two members
+//    both reach the sync after their last backward.
+//  - with sequence parallelism, the TP group's gradient sums run on the reduction stream while
+//    the compute stream issues its own TP collectives: the TP members' Programs are identical, so
+//    both streams' collectives are matched in one per-group order.
 #include "core/program_builder.hpp"
 
 #include <algorithm>
@@ -50,6 +56,13 @@ struct Tensor {
   int64_t numel;
   int layer;    // global layer it belongs to (embedding -> first layer, head -> last layer)
   bool expert;  // MoE expert weights: reduced in the expert-data-parallel group
+  // Replicated over the TP group but fed sequence-sharded inputs under sequence parallelism
+  // (layer norms, row-parallel biases, the position embedding): each TP rank holds a partial
+  // gradient that the TP group sums before the data-parallel reduction.
+  bool sp_replicated = false;
+  // The word embedding (first chunk) or its tied copy (last chunk): summed over the embedding
+  // group (EmbeddingSync) before its data-parallel reduction.
+  bool tied = false;
 };
 
 // A contiguous run of layers computed by one Forward / Backward instruction.
@@ -83,10 +96,18 @@ struct Action {
   int chunk, mb;
 };
 
+// Per gradient bucket / stage-3 layer group of a ZeroPartition (same indices).
+struct BucketFlags {
+  std::vector<int64_t> sp_elems;     // [grad bucket] SP-replicated elements inside it
+  std::vector<char> tied;            // [grad bucket] holds the word embedding or its tied copy
+  std::vector<int64_t> s3_sp_elems;  // [stage-3 group] SP-replicated elements
+};
+
 struct StagePlan {
   int stage = 0;
   std::vector<Chunk> chunks;
   ZeroPartition dense, expert;
+  BucketFlags dense_flags, expert_flags;
   bool has_expert = false;
   std::vector<BucketRef> buckets;  // reduction order
   // Stage 3: gather groups per global layer (index into dense/expert.stage3_groups, -1 none).
@@ -204,10 +225,10 @@ class Builder {
   std::vector<Tensor> layer_tensors(int layer) const {
     const int64_t h = m_.hidden, f = ffn_hidden_of(m_), t = t_;
     std::vector<Tensor> ts = {
-        {h, layer, false}, {h, layer, false},                     // layernorm_1
+        {h, layer, false, true}, {h, layer, false, true},          // layernorm_1
         {3 * h * h / t, layer, false}, {3 * h / t, layer, false},  // qkv
-        {h * h / t, layer, false}, {h, layer, false},              // attention projection
-        {h, layer, false}, {h, layer, false},                      // layernorm_2
+        {h * h / t, layer, false}, {h, layer, false, true},        // attention projection
+        {h, layer, false, true}, {h, layer, false, true},          // layernorm_2
     };
     if (is_moe_layer(m_, layer)) {
       ts.push_back({h * m_.experts, layer, false});  // gate (replicated)
@@ -222,7 +243,7 @@ class Builder {
       ts.push_back({f * h / t, layer, false});
       ts.push_back({f / t, layer, false});
       ts.push_back({h * f / t, layer, false});
-      ts.push_back({h, layer, false});
+      ts.push_back({h, layer, false, true});  // MLP down bias (row-parallel)
     }
     return ts;
   }
@@ -320,8 +341,8 @@ class Builder {
       ch.last = ch.vs == last_vs;
       const int64_t h = m_.hidden;
       if (ch.first) {
-        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false});
-        tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false});
+        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false, false, true});  // wte
+        tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true});            // wpe
       }
       for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) {
         auto lt = layer_tensors(l);
@@ -329,19 +350,21 @@ class Builder {
       }
       if (ch.last) {
         const int ll = ch.layer_begin + ch.layer_count - 1;
-        tensors.push_back({h, ll, false});
-        tensors.push_back({h, ll, false});
+        tensors.push_back({h, ll, false, true});  // final layer norm
+        tensors.push_back({h, ll, false, true});
         if (!m_.tied_embeddings || (p_ > 1 && !ch.first))  // output layer or the tied copy
-          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false});
+          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false, false, m_.tied_embeddings});
       }
       plan.chunks.push_back(ch);
     }
     // ZeRO partitions, dense (DP group) and expert (expert-DP group).
     ZeroPartitionSpec dspec, espec;
+    std::vector<const Tensor*> dtensors, etensors;  // the specs' tensors, in spec order
     for (const Tensor& t : tensors) {
       ZeroPartitionSpec& sp = t.expert ? espec : dspec;
       sp.numel.push_back(t.numel);
       sp.layer.push_back(t.layer);
+      (t.expert ? etensors : dtensors).push_back(&t);
     }
     // Stage 0 (and 1-bit) all-reduces the whole unpadded buffer: partition over one rank.
     const int dp = sc_.parallel.dp, edp = dp / std::max(1, sc_.parallel.ep);
@@ -355,6 +378,31 @@ class Builder {
     plan.dense = make_zero_partition(dspec);
     plan.has_expert = !espec.numel.empty();
     if (plan.has_expert) plan.expert = make_zero_partition(espec);
+    // Per gradient bucket (and stage-3 layer group): SP-replicated elements inside it (a bucket is
+    // a range of the flat buffer: count the intersection), and whether it holds a tied tensor.
+    const auto mark = [](const ZeroPartition& z, const std::vector<const Tensor*>& ts, BucketFlags& f) {
+      for (const GradBucket& bk : z.grad_buckets) {
+        int64_t sp = 0;
+        bool tied = false;
+        for (size_t i = 0; i < ts.size(); ++i) {
+          const int64_t lo = std::max(bk.range.begin, z.offsets[i]);
+          const int64_t hi = std::min(bk.range.end(), z.offsets[i] + ts[i]->numel);
+          if (hi <= lo) continue;
+          if (ts[i]->sp_replicated) sp += hi - lo;
+          tied = tied || ts[i]->tied;
+        }
+        f.sp_elems.push_back(sp);
+        f.tied.push_back(tied);
+      }
+      for (const Stage3Group& g : z.stage3_groups) {
+        int64_t sp = 0;
+        for (int i : g.tensors)
+          if (ts[i]->sp_replicated) sp += ts[i]->numel;
+        f.s3_sp_elems.push_back(sp);
+      }
+    };
+    mark(plan.dense, dtensors, plan.dense_flags);
+    if (plan.has_expert) mark(plan.expert, etensors, plan.expert_flags);
 
     const auto chunk_of_layer = [&](int layer) {
       for (int c = 0; c < v_; ++c)
@@ -521,6 +569,17 @@ class Builder {
     std::vector<std::pair<uint32_t, uint32_t>> ag;  // (dense, expert)
     size_t ag_emitted = 0;
     size_t seg_cursor = 0;
+    // Reductions of buckets holding the (tied) word embedding, emitted after the EmbeddingSync.
+    struct Postponed {
+      Op op;
+      bool expert;
+      int bucket;
+      double elems, mine_elems;
+      int mb, chunk, layer;
+      uint32_t sp_sum;  // the bucket's SP gradient all-reduce (kNone: none)
+      Stream st;
+    };
+    std::vector<Postponed> postponed;
   };
 
   struct SegRef {
@@ -721,6 +780,43 @@ class Builder {
     }
   }
 
+  // One TP collective of the segment's layer range on the blocking compute stream.
+  void emit_tp_one(RankCtx& x, const Segment& s, int mb, int chunk, Op op, double bytes, int repeat = 1) {
+    Instruction in = make(op, Stream::Compute, Purpose::TensorParallel, mb, chunk);
+    in.group = x.tp_g;
+    in.layer_begin = s.layer_begin;
+    in.layer_count = s.layer_count;
+    in.repeat = repeat;
+    in.bytes = bytes;
+    add(x, in, {});
+  }
+
+  // Vocabulary-parallel embedding: each TP rank looks up its vocabulary slice and the partial
+  // outputs are summed (all-reduce), or with sequence parallelism reduce-scattered into sequence
+  // shards, whose backward is an all-gather. Not repeated by the full recompute (blocks only).
+  void emit_tp_embedding(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
+    if (x.tp_g < 0 || !s.embedding) return;
+    const bool sp = sc_.parallel.sequence_parallel;
+    if (!backward) emit_tp_one(x, s, mb, chunk, sp ? Op::ReduceScatter : Op::AllReduce, act_bytes_);
+    else if (sp) emit_tp_one(x, s, mb, chunk, Op::AllGather, act_bytes_);
+  }
+
+  // LM head (column-parallel over the vocabulary) and Megatron's vocab_parallel_cross_entropy.
+  // Forward: with SP the final norm's sequence shards are all-gathered first; the loss all-reduces
+  // three fp32 [b, s] tensors (max logit, predicted logit, sum of exponentials). Backward: the
+  // input gradient of the head is summed over the TP group (the copy-to-TP-region's backward), or
+  // reduce-scattered back into sequence shards with SP.
+  void emit_tp_head(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
+    if (x.tp_g < 0 || !s.head) return;
+    const bool sp = sc_.parallel.sequence_parallel;
+    if (!backward) {
+      if (sp) emit_tp_one(x, s, mb, chunk, Op::AllGather, act_bytes_);
+      emit_tp_one(x, s, mb, chunk, Op::AllReduce, double(b_) * m_.seq_len * 4, 3);
+    } else {
+      emit_tp_one(x, s, mb, chunk, sp ? Op::ReduceScatter : Op::AllReduce, act_bytes_);
+    }
+  }
+
   void emit_moe(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
     if (x.ep_g < 0 || s.moe_layers == 0) return;
     for (int k = 0; k < 2; ++k) {
@@ -765,7 +861,9 @@ class Builder {
       }
       if (k == 0) gather_received_slice(x, x.recv_act[slot], Purpose::PipelineActivation, a.mb, a.chunk);
       add(x, segment_compute(Op::Forward, s, s.fwd, a), {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
+      emit_tp_embedding(x, s, a.mb, a.chunk, false);
       emit_tp(x, s, a.mb, a.chunk);
+      emit_tp_head(x, s, a.mb, a.chunk, false);
       emit_moe(x, s, a.mb, a.chunk, false);
     }
     x.fwd_out[slot] = x.last_compute;
@@ -800,7 +898,9 @@ class Builder {
         }
       }
       add(x, segment_compute(Op::Backward, s, s.bwd, a), {grad_in, ag_d, ag_e});
+      emit_tp_embedding(x, s, a.mb, a.chunk, true);
       emit_tp(x, s, a.mb, a.chunk);
+      emit_tp_head(x, s, a.mb, a.chunk, true);
       emit_moe(x, s, a.mb, a.chunk, true);
       const uint32_t produced = x.last_compute;
 
@@ -813,8 +913,11 @@ class Builder {
             auto it = idx.find(l);
             if (it == idx.end()) continue;
             const Stage3Group& sg = z.stage3_groups[it->second];
+            const BucketFlags& f = expert ? plan.expert_flags : plan.dense_flags;
+            const uint32_t sp_sum = emit_sp_grad_sum(x, f.s3_sp_elems[it->second], it->second, a.mb, a.chunk,
+                                                     l, produced, red_stream);
             emit_reduction(x, Op::ReduceScatter, expert, it->second, double(sg.padded_numel()),
-                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream);
+                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream, sp_sum);
           }
         }
       } else if (reduce_now) {
@@ -822,22 +925,53 @@ class Builder {
         for (const BucketRef& r : plan.buckets) {
           if (r.chunk != a.chunk || r.layer < s.layer_begin || r.layer >= s.layer_begin + s.layer_count)
             continue;
+          const BucketFlags& f = r.expert ? plan.expert_flags : plan.dense_flags;
+          const uint32_t sp_sum = emit_sp_grad_sum(x, f.sp_elems[r.bucket], r.bucket, a.mb, a.chunk, r.layer,
+                                                   produced, red_stream);
           if (onebit_) continue;  // replaced by the compressed all-reduce at the batch end
           const ZeroPartition& z = r.expert ? plan.expert : plan.dense;
           const GradBucket& bk = z.grad_buckets[r.bucket];
           const int me = r.expert ? x.c.edp : x.c.dp;
           const double mine = zero_ == 0 ? double(bk.range.count)
                                          : double(bk.sub_shards[std::min(me, int(bk.sub_shards.size()) - 1)].count);
-          emit_reduction(x, zero_ == 0 ? Op::AllReduce : Op::ReduceScatter, r.expert, r.bucket,
-                         double(bk.range.count), mine, a.mb, a.chunk, r.layer, produced, red_stream);
+          const Op op = zero_ == 0 ? Op::AllReduce : Op::ReduceScatter;
+          if (postpones_tied(x) && f.tied[r.bucket]) {  // after the EmbeddingSync (emit_batch_end)
+            x.postponed.push_back({op, r.expert, r.bucket, double(bk.range.count), mine, a.mb, a.chunk, r.layer,
+                                   sp_sum, red_stream});
+            continue;
+          }
+          emit_reduction(x, op, r.expert, r.bucket, double(bk.range.count), mine, a.mb, a.chunk, r.layer,
+                         produced, red_stream, sp_sum);
         }
       }
     }
     x.bwd_out[slot] = x.last_compute;
   }
 
+  // DeepSpeed ReduceTiedGrads before ReduceGrads: on the first and last stage of a pipeline with
+  // tied embeddings, the buckets holding the word embedding (or its copy) are reduced after the
+  // EmbeddingSync at the batch end. Stages 0/1 only (DeepSpeed refuses pp > 1 with ZeRO-2/3,
+  // core/validate too; those builds keep reducing such buckets in the backward).
+  bool postpones_tied(const RankCtx& x) const { return x.emb_g >= 0 && zero_ <= 1 && !onebit_; }
+
+  // Sequence parallelism: the TP group sums the partial gradients of the SP-replicated parameters
+  // (layer norms, row-parallel biases, position embedding) inside a bucket before its reduction
+  // (Megatron's all-reduce of sequence-parallel grads in finalize_model_grads). Emitted also
+  // without a DP group. Returns the instruction, kNone when there is none.
+  uint32_t emit_sp_grad_sum(RankCtx& x, int64_t sp_elems, int bucket, int mb, int chunk, int layer,
+                            uint32_t produced, Stream st) {
+    if (!sc_.parallel.sequence_parallel || x.tp_g < 0 || sp_elems <= 0) return kNone;
+    Instruction in = make(Op::AllReduce, st, Purpose::TensorParallel, mb, chunk);
+    in.group = x.tp_g;
+    in.bucket = bucket;
+    in.layer_begin = layer;
+    in.layer_count = 1;
+    in.bytes = double(sp_elems) * g_;
+    return add(x, in, {produced});
+  }
+
   void emit_reduction(RankCtx& x, Op op, bool expert, int bucket, double elems, double mine_elems,
-                      int mb, int chunk, int layer, uint32_t produced, Stream st) {
+                      int mb, int chunk, int layer, uint32_t produced, Stream st, uint32_t sp_sum = kNone) {
     const int grp = expert ? x.edp_g : x.dp_g;
     uint32_t id = kNone;
     if (grp >= 0) {
@@ -847,7 +981,7 @@ class Builder {
       in.layer_begin = layer;
       in.layer_count = 1;
       in.bytes = elems * g_;
-      id = add(x, in, {produced});
+      id = add(x, in, {produced, sp_sum});
       x.last_reduce = id;
     }
     if (sc_.zero.offload_optimizer) {
@@ -858,7 +992,7 @@ class Builder {
       d.bytes = mine_elems * g_;
       // The host adds them into its fp32 gradient buffer: read g + 4, write 4 bytes per element.
       d.memory_bytes = mine_elems * (g_ + 8.0);
-      x.last_d2h = add(x, d, {id != kNone ? id : produced});
+      x.last_d2h = add(x, d, {id != kNone ? id : produced, id != kNone ? kNone : sp_sum});
     }
   }
 
@@ -871,6 +1005,12 @@ class Builder {
       in.bytes = double(m_.vocab) * m_.hidden / t_ * g_;
       emb = add(x, in, {x.last_compute});
     }
+    // The reductions of the buckets holding the tied embedding, as the backward would have emitted
+    // them, after the sync; the optimizer step waits for them through last_reduce / last_d2h.
+    for (const RankCtx::Postponed& r : x.postponed)
+      emit_reduction(x, r.op, r.expert, r.bucket, r.elems, r.mine_elems, r.mb, r.chunk, r.layer, emb, r.st,
+                     r.sp_sum);
+    x.postponed.clear();
     if (onebit_) {
       // deepspeed/runtime/comm/nccl.py NcclBackend.compressed_allreduce on the flat momentum,
       // padded to a multiple of 8 * N: all-to-all of packed worker signs, all-gather of worker
