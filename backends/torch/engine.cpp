@@ -18,6 +18,9 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 #include "backends/torch/gpt.hpp"
+#include "backends/torch/pipeline.hpp"
+#include "backends/torch/tensor_parallel.hpp"
+#include "core/grid.hpp"
 #include "backends/torch/loss_scaler.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
 #include "backends/torch/torch_compat.hpp"
@@ -42,16 +45,17 @@ at::ScalarType torch_dtype(Dtype d) {
 }
 
 int layer_of_unit(const GptConfig& c, int u) {
-  return u == 0 ? 0 : u == c.final_unit() ? c.layers - 1 : u - 1;
+  return u == 0 ? 0 : u >= c.final_unit() ? c.layers - 1 : u - 1;
 }
 
 // The parameter tensors in model order with their layer (module) for ZeRO-3 fetching: the
 // partition the Program's byte counts come from, applied here to real tensors.
-ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp) {
-  // As core/program_builder lays it out: the embedding belongs to layer 0, the final norm to the
-  // last layer; stage 0 all-reduces the unpadded buffer (one "rank", no alignment).
+ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, const std::vector<int>& units) {
+  // As core/program_builder lays it out: the embedding belongs to layer 0, the final norm (and the
+  // last stage's copy of the tied embedding) to the last layer; stage 0 all-reduces the unpadded
+  // buffer (one "rank", no alignment).
   ZeroPartitionSpec spec;
-  for (int u = 0; u < c.units(); ++u)
+  for (int u : units)
     for (const auto& p : unit_params(c, u)) {
       spec.numel.push_back(p.numel());
       spec.layer.push_back(layer_of_unit(c, u));
@@ -142,29 +146,61 @@ class HostAccumulator {
   std::thread worker_;
 };
 
+// The process grid of the scenario, checked against the ranks that are running.
+ProcessGrid checked_grid(const Scenario& sc, const Communicator& world) {
+  const auto& p = sc.parallel;
+  if (p.world() != world.size())
+    throw std::invalid_argument("torch backend: the scenario's parallel layout needs tp x pp x dp = " +
+                                std::to_string(p.tp) + " x " + std::to_string(p.pp) + " x " + std::to_string(p.dp) +
+                                " = " + std::to_string(p.world()) + " ranks, but " + std::to_string(world.size()) +
+                                " are running (use --nproc " + std::to_string(p.world()) +
+                                ", or launch that many ranks)");
+  return ProcessGrid(p);
+}
+
 class Engine {
  public:
-  Engine(const Scenario& sc, const Program& program, Communicator& comm, const EngineOptions& o,
+  Engine(const Scenario& sc, const Program& program, Communicator& world, const EngineOptions& o,
          const torch::Device& device)
-      : sc_(sc), program_(program), comm_(comm), o_(o), dev_(device), cfg_(GptConfig::from(sc.model)),
-        stage_(sc.zero.stage), dp_(comm.size()), rank_(comm.rank()),
+      : sc_(sc), program_(program), world_(world), o_(o), dev_(device), grid_(checked_grid(sc, world)),
+        coord_(grid_.coord(world.rank())),
+        cfg_(GptConfig::from(sc.model, sc.parallel.tp, coord_.tp, sc.parallel.sequence_parallel)),
+        stage_(sc.zero.stage), dp_(sc.parallel.dp), rank_(world.rank()), dpr_(coord_.dp),
         dtype_(torch_dtype(sc.precision.dtype)),
         fp16_(sc.precision.dtype == Dtype::fp16),
         scaler_(sc.precision.loss_scale, fp16_),
-        data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed) {
-    if (sc.parallel.tp != 1 || sc.parallel.pp != 1)
-      throw std::invalid_argument("torch backend: only data parallelism is supported (tp = pp = 1); got tp=" +
-                                  std::to_string(sc.parallel.tp) + " pp=" + std::to_string(sc.parallel.pp));
-    if (sc.parallel.dp != dp_)
-      throw std::invalid_argument("torch backend: scenario has dp=" + std::to_string(sc.parallel.dp) +
-                                  " but " + std::to_string(dp_) + " ranks are running (use --nproc " +
-                                  std::to_string(sc.parallel.dp) + ", or launch that many ranks)");
+        data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world) {
+    const auto& par = sc.parallel;
     if (sc.optimizer.kind != OptimizerKind::adamw)
       throw std::invalid_argument("torch backend: only AdamW is implemented (the scenario asks for 1-bit Adam)");
     if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
+    if (par.pp > 1 && stage_ >= 2)
+      throw std::invalid_argument("zero.stage " + std::to_string(stage_) +
+                                  " with pipeline parallelism: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 "
+                                  "only (ZeRO-2/3 partition gradients, which the pipeline accumulates over "
+                                  "micro-batches); set zero.stage: 1 or parallel.pp: 1");
+    if (par.tp > 1 && stage_ == 3)
+      throw std::invalid_argument("torch backend: zero.stage 3 with tensor parallelism (parallel.tp > 1) is not "
+                                  "implemented; use zero.stage 0-2 with tp > 1, or tp: 1");
+    if (par.tp > 1 && par.scatter_gather && !par.sequence_parallel)
+      throw std::invalid_argument("torch backend: parallel.scatter_gather is not implemented (the pipeline sends "
+                                  "whole activations); set parallel.scatter_gather: false");
     if (program.ranks.size() <= size_t(rank_) || program.ranks[rank_].rank != rank_)
       throw std::invalid_argument("torch backend: the Program has no instructions for rank " +
                                   std::to_string(rank_) + " (built representative-only?)");
+    layout_ = stage_layout(cfg_, program.ranks[rank_], par.pp);
+    // Communicators of this rank's groups, created in the same order (TP, DP, embedding) on every
+    // rank: each group's members meet in its creation.
+    if (par.tp > 1) tp_comm_ = world.subgroup(grid_.group_of(GroupKind::TP, rank_), true);
+    dp_comm_ = world.subgroup(grid_.group_of(GroupKind::DP, rank_));  // one rank: the identity
+    const auto emb = grid_.group_of(GroupKind::Embedding, rank_);
+    if (par.pp > 1 && emb.size() > 1) emb_comm_ = world.subgroup(emb);
+    tp_.comm = tp_comm_.get();
+    tp_.size = par.tp;
+    tp_.rank = coord_.tp;
+    tp_.sequence_parallel = cfg_.sequence_parallel;
+    tp_.wire_dtype = dtype_;
+    tp_.sync = [this] { timing_sync(); };
     micro_batch_ = sc.training.micro_batch;
     grad_accum_ = sc.training.grad_accum;
     // full: every block is recomputed from its input in backward. selective: only the attention
@@ -176,8 +212,9 @@ class Engine {
     offload_param_ = sc.zero.offload_param && stage_ == 3;
     overlap_ = sc.zero.overlap_comm;
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
-    part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_));
+    part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_, layout_.units));
     allocate();
+    plan_gradient_norm();
   }
 
   EngineResult run();
@@ -194,8 +231,9 @@ class Engine {
     // (copy_gradients_to_host, host_step_and_publish), and the host allocator would round a
     // pinned 27 GB tensor of a 7B shard up to 32 GB.
     int t = 0;
-    for (int u = 0; u < cfg_.units(); ++u) {
-      first_tensor_.push_back(t);
+    first_tensor_.assign(cfg_.units(), -1);
+    for (int u : layout_.units) {
+      first_tensor_[u] = t;
       t += int(unit_params(cfg_, u).size());
     }
     p16_.resize(cfg_.units());
@@ -205,12 +243,12 @@ class Engine {
       const int64_t n = stage_ == 0 ? part_.padded_numel : part_.shard_numel;
       master_ = at::zeros({n}, st32);
       auto full32 = at::zeros({part_.padded_numel}, dev16.dtype(at::kFloat));
-      for (int u = 0; u < cfg_.units(); ++u)
+      for (int u : layout_.units)
         init_unit(cfg_, u, full32.narrow(0, unit_offset(u), unit_numel(cfg_, u)), sc_.training.seed);
       flat16_.copy_(full32);
       if (stage_ == 0) master_.copy_(full32);
-      else master_.copy_(full32.narrow(0, part_.shard(rank_).begin, part_.shard_numel));
-      for (int u = 0; u < cfg_.units(); ++u) {
+      else master_.copy_(full32.narrow(0, part_.shard(dpr_).begin, part_.shard_numel));
+      for (int u : layout_.units) {
         const int64_t off = unit_offset(u), n_u = unit_numel(cfg_, u);
         p16_[u] = leaves(flat16_.narrow(0, off, n_u), grad16_.narrow(0, off, n_u), u);
       }
@@ -226,7 +264,7 @@ class Engine {
       const int G = int(part_.stage3_groups.size());
       group_units_.assign(G, {});
       unit_group_offset_.assign(cfg_.units(), 0);
-      for (int u = 0; u < cfg_.units(); ++u) {
+      for (int u : layout_.units) {
         const int g = layer_of_unit(cfg_, u);
         auto& us = group_units_.at(g);
         unit_group_offset_[u] = 0;
@@ -243,7 +281,7 @@ class Engine {
         for (int u : group_units_[g])
           init_unit(cfg_, u, full32.narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), sc_.training.seed);
         master_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
-            .copy_(full_to_shard(g, full32, rank_));
+            .copy_(full_to_shard(g, full32, dpr_));
         if (aliased_) {
           if (part_.stage3_groups[g].shard_numel != part_.stage3_groups[g].numel)
             throw std::logic_error("ZeRO-3 on one rank: a layer's partition is not the whole layer");
@@ -306,16 +344,42 @@ class Engine {
   int group_of(int u) const { return layer_of_unit(cfg_, u); }
 
   // ---- compute ------------------------------------------------------------------------------
+  // One model chunk's forward of one micro-batch, kept for its backward: a segment per unit run.
   struct Segment {
-    int unit;            // 0 embedding, 1..L block, L+1 head (final norm + tied LM head + loss)
+    int unit;            // -1 the received activation, 0 embedding, 1..L block, L+1 head (loss)
     at::Tensor input;    // detached, requires grad (blocks, head)
     at::Tensor output;   // empty when recomputed in backward
   };
   struct MicroBatchState {
     at::Tensor tokens;
     std::vector<Segment> segments;
-    at::Tensor loss;
   };
+  static int64_t slot_key(int chunk, int mb) { return (int64_t(std::max(0, chunk)) << 32) | uint32_t(mb); }
+  const StageLayout::Chunk& chunk_of(const Instruction& in) const {
+    const int c = std::max(0, in.chunk);
+    if (c >= int(layout_.chunks.size())) throw std::runtime_error("Program error: model chunk " + std::to_string(c));
+    return layout_.chunks[c];
+  }
+  // The instruction's layers [lb, le) (the whole chunk when the Program gives none).
+  std::pair<int, int> layers_of(const Instruction& in) const {
+    const auto& ch = chunk_of(in);
+    const int lb = in.layer_begin >= 0 ? in.layer_begin : ch.layer_begin;
+    const int le = in.layer_count > 0 ? lb + in.layer_count : ch.layer_end();
+    return {lb, le};
+  }
+  at::Tensor batch(int mb) {
+    return data_.batch(step_, mb, dpr_, micro_batch_, int64_t(micro_batch_) * grad_accum_).to(dev_);
+  }
+  // The tied word embedding the LM head uses: the embedding's own on one stage, the last stage's
+  // copy in a pipeline.
+  const at::Tensor& head_weight(const char* why) {
+    return sc_.parallel.pp > 1 ? param(cfg_.head_copy_unit(), why)[0] : param(0, why)[0];
+  }
+  int head_weight_unit() const { return sc_.parallel.pp > 1 ? cfg_.head_copy_unit() : 0; }
+  // Shape of an activation between stages: [b, s, h] ([b, s/t, h] with sequence parallelism).
+  at::Tensor activation_buffer() const {
+    return at::empty({micro_batch_, cfg_.seq_local(), cfg_.hidden}, at::TensorOptions().dtype(dtype_).device(dev_));
+  }
 
   // One autograd leaf per parameter tensor, a view into the flat buffer, with its .grad a view
   // into the flat gradient buffer: backward accumulates straight into the buckets (no slice
@@ -345,16 +409,21 @@ class Engine {
 
   void forward(const Instruction& in) {
     flush([](const Deferred& d) { return d.kind != Deferred::Gather3; });
+    check_tp_ledger();
     const int mb = in.micro_batch;
-    auto& st = mbs_[mb];
-    const int lb = std::max(0, in.layer_begin);
-    const int le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
-    if (lb == 0) {
+    const auto& ch = chunk_of(in);
+    const auto [lb, le] = layers_of(in);
+    auto& st = mbs_[slot_key(in.chunk, mb)];
+    if (lb == ch.layer_begin) {  // the chunk starts: from the tokens or the previous stage
       st = {};
-      auto batch = data_.batch(step_, mb, rank_, micro_batch_).to(dev_);
-      st.tokens = batch;
-      auto x = embed_forward(cfg_, param(0, "forward"), batch.narrow(1, 0, cfg_.seq_len));
-      st.segments.push_back({0, {}, x});
+      if (ch.first) {
+        st.tokens = batch(mb);
+        auto x = embed_forward(cfg_, tp_, param(0, "forward"), st.tokens.narrow(1, 0, cfg_.seq_len));
+        st.segments.push_back({0, {}, x});
+      } else {
+        auto x = pipe_.take(Purpose::PipelineActivation, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
+        st.segments.push_back({-1, {}, x});
+      }
     }
     for (int l = lb; l < le; ++l) {
       const int u = cfg_.block_unit(l);
@@ -362,21 +431,21 @@ class Engine {
       at::Tensor y;
       if (checkpoint_activations_) {
         at::NoGradGuard ng;
-        y = block_forward(cfg_, param(u, "forward"), x, recompute_attention_);
+        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_);
         st.segments.push_back({u, x, {}});
         st.segments.back().output = y;  // kept only as the next input; dropped in backward
       } else {
-        y = block_forward(cfg_, param(u, "forward"), x, recompute_attention_);
+        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_);
         st.segments.push_back({u, x, y});
       }
     }
-    if (le == cfg_.layers) {
+    if (ch.last && le == ch.layer_end()) {
       auto x = st.segments.back().output.detach().requires_grad_(true);
-      auto loss = head_loss(cfg_, param(cfg_.final_unit(), "forward"), param(0, "forward"), x,
+      if (!st.tokens.defined()) st.tokens = batch(mb);  // the last stage reads the targets
+      auto loss = head_loss(cfg_, tp_, param(cfg_.final_unit(), "forward"), head_weight("forward"), x,
                             st.tokens.narrow(1, 1, cfg_.seq_len));
       st.segments.push_back({cfg_.final_unit(), x, loss});
-      st.loss = loss.detach();
-      loss_sum_ = loss_sum_.defined() ? loss_sum_ + st.loss : st.loss.clone();
+      loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach().clone();
     }
   }
 
@@ -397,26 +466,34 @@ class Engine {
     flush([mb](const Deferred& d) {
       return d.kind == Deferred::Gather12 || (d.kind == Deferred::Reduce && d.micro_batch != mb);
     });
-    auto& st = mbs_[mb];
-    const int lb = std::max(0, in.layer_begin);
-    const int le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
+    if (!after_recompute_) check_tp_ledger();
+    after_recompute_ = false;
+    const auto& ch = chunk_of(in);
+    const auto [lb, le] = layers_of(in);
+    const int64_t key = slot_key(in.chunk, mb);
+    auto& st = mbs_[key];
     at::Tensor grad;
-    if (le == cfg_.layers) {
+    if (ch.last && le == ch.layer_end()) {
       auto& seg = st.segments.back();
       param(cfg_.final_unit(), "backward");
-      param(0, "backward");
+      head_weight("backward");
       prepare_grad(cfg_.final_unit());
-      prepare_grad(0);
+      prepare_grad(head_weight_unit());
       const double scale = scaler_.scale() / double(grad_accum_);
       torch::autograd::backward({seg.output * scale});
       grad = seg.input.grad();
       mark_dirty(cfg_.final_unit());
-      mark_dirty(0);
+      mark_dirty(head_weight_unit());
       st.segments.pop_back();
+    } else if (le == ch.layer_end()) {  // the chunk's output gradient comes from the next stage
+      grad = pipe_.take(Purpose::PipelineGradient, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
     } else {
-      grad = pending_grad_[mb];
+      grad = pending_grad_[key];
     }
     for (int l = le - 1; l >= lb; --l) {
+      if (st.segments.size() < 2)
+        throw std::runtime_error("Program error: backward of layer " + std::to_string(l) + ", micro-batch " +
+                                 std::to_string(mb) + " (chunk " + std::to_string(in.chunk) + ") before its forward");
       auto& seg = st.segments.back();
       const int u = seg.unit;
       const auto& p = param(u, "backward");
@@ -427,27 +504,32 @@ class Engine {
         // Recompute instruction, run here, just before the layer's backward.
         if (measuring_) timing_sync();
         auto t0 = Clock::now();
-        out = block_forward(cfg_, p, seg.input, recompute_attention_);
+        out = block_forward(cfg_, tp_, p, seg.input, recompute_attention_);
         if (measuring_) timing_sync();
         inner_seconds_["recompute"] += seconds_since(t0);
       }
-      torch::autograd::backward({out}, {grad});
+      torch::autograd::backward({out}, {grad.to(out.scalar_type())});
       grad = seg.input.grad();
       mark_dirty(u);
       st.segments.pop_back();
       if (l > 0) fold_group_now(group_of(u));
     }
-    if (lb == 0) {
-      auto& seg = st.segments.back();
+    if (lb > ch.layer_begin) {
+      pending_grad_[key] = grad;
+      return;
+    }
+    pending_grad_.erase(key);
+    auto& seg = st.segments.back();
+    if (ch.first) {
       param(0, "backward");
       prepare_grad(0);
-      torch::autograd::backward({seg.output}, {grad});
+      torch::autograd::backward({seg.output}, {grad.to(seg.output.scalar_type())});
       mark_dirty(0);
-      st.segments.clear();
       fold_group_now(group_of(0));
     } else {
-      pending_grad_[mb] = grad;
+      send_grad_[key] = grad.to(dtype_);  // the input's gradient, for the Program's SendGrad
     }
+    mbs_.erase(key);
   }
 
   // ZeRO-3 on one rank has no reduce-scatter in the Program: a layer group's gradients go to the
@@ -494,10 +576,13 @@ class Engine {
   }
   std::vector<int> units_of(const Instruction& in) const {
     std::vector<int> us;
-    const int lb = std::max(0, in.layer_begin), le = in.layer_count > 0 ? lb + in.layer_count : cfg_.layers;
-    if (lb == 0 || le == cfg_.layers) us.push_back(0);
+    const auto& ch = chunk_of(in);
+    const auto [lb, le] = layers_of(in);
+    const bool head = ch.last && le == ch.layer_end();
+    if ((ch.first && lb == ch.layer_begin) || (head && head_weight_unit() == 0)) us.push_back(0);
     for (int l = lb; l < le; ++l) us.push_back(cfg_.block_unit(l));
-    if (le == cfg_.layers) us.push_back(cfg_.final_unit());
+    if (head) us.push_back(cfg_.final_unit());
+    if (head && head_weight_unit() != 0) us.push_back(head_weight_unit());
     return us;
   }
 
@@ -514,7 +599,7 @@ class Engine {
       auto buf = grad16_.narrow(0, b.range.begin, b.range.count);
       grad_dirty_[k] = false;
       if (in.op == Op::AllReduce || stage_ == 0) {
-        auto work = comm_.allreduce(buf, in.purpose);
+        auto work = dp_comm_->allreduce(buf, in.purpose);
         defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
                  fold_full(part_.grad_buckets[k].range, buf, k);
                  buf.zero_();
@@ -525,9 +610,9 @@ class Engine {
         auto work = reduce_to_owners(buf, in);
         defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
                  const auto& b = part_.grad_buckets[k];
-                 const Range mine = b.sub_shards[rank_];
+                 const Range mine = b.sub_shards[dpr_];
                  if (mine.count > 0) {
-                   const Range shard = part_.shard(rank_);
+                   const Range shard = part_.shard(dpr_);
                    accumulate(k, mine.begin - shard.begin, buf.narrow(0, mine.begin - b.range.begin, mine.count));
                  }
                  buf.zero_();
@@ -545,7 +630,7 @@ class Engine {
       for (int r = 0; r < dp_; ++r) parts.push_back(full_to_shard(gi, gradg_[gi], r));
       auto input = at::cat(parts);
       auto out = at::empty({g.shard_numel}, input.options());
-      auto work = comm_.reduce_scatter(out, input, in.purpose);
+      auto work = dp_comm_->reduce_scatter(out, input, in.purpose);
       drop_group_grad(gi);  // the input is a copy
       defer({Deferred::Reduce, gi, in.micro_batch, work, [this, gi, out, input]() {
                accumulate(gi, group_shard_offset_[gi], out);
@@ -558,7 +643,7 @@ class Engine {
     const auto& b = part_.grad_buckets[in.bucket];
     std::vector<std::pair<int64_t, int64_t>> owners;
     for (const Range& r : b.sub_shards) owners.push_back({r.begin - b.range.begin, r.count});
-    return comm_.reduce_to_owners(buf, owners, in.purpose);
+    return dp_comm_->reduce_to_owners(buf, owners, in.purpose);
   }
 
   // Reduced gradients (this rank's part) into the fp32 accumulator of the optimizer. With the
@@ -608,7 +693,7 @@ class Engine {
       accumulate(bucket, r.begin, buf);
       return;
     }
-    const Range shard = part_.shard(rank_);
+    const Range shard = part_.shard(dpr_);
     const int64_t b = std::max(r.begin, shard.begin), e = std::min(r.end(), shard.end());
     if (e > b) accumulate(bucket, b - shard.begin, buf.narrow(0, b - r.begin, e - b));
   }
@@ -649,9 +734,9 @@ class Engine {
         throw std::runtime_error("Program error: all-gather bucket " + std::to_string(k) + " does not exist");
       const auto& b = part_.allgather_buckets[k];
       check_bytes(in, double(b.count_per_rank) * dp_ * elt16());
-      auto mine = flat16_.narrow(0, part_.shard(rank_).begin + b.shard_offset, b.count_per_rank).clone();
+      auto mine = flat16_.narrow(0, part_.shard(dpr_).begin + b.shard_offset, b.count_per_rank).clone();
       auto out = at::empty({b.count_per_rank * dp_}, mine.options());
-      auto work = comm_.all_gather(out, mine, in.purpose);
+      auto work = dp_comm_->all_gather(out, mine, in.purpose);
       defer({Deferred::Gather12, k, -1, work, [this, out, mine, k]() {
                const auto& b = part_.allgather_buckets[k];
                auto rows = out.view({dp_, b.count_per_rank});
@@ -697,7 +782,7 @@ class Engine {
       refill();
       return;
     }
-    auto work = comm_.all_gather(out, mine, in ? in->purpose : Purpose::None);
+    auto work = dp_comm_->all_gather(out, mine, in ? in->purpose : Purpose::None);
     // A prefetched layer is refilled when it is first used.
     if (in) defer({Deferred::Gather3, gi, -1, work, refill});
     else {
@@ -751,8 +836,120 @@ class Engine {
                                " bytes in the Program, " + std::to_string(engine_bytes) + " in the engine layout");
   }
 
+  // ---- pipeline (backends/torch/pipeline.hpp) ------------------------------------------------
+  void send(const Instruction& in) {
+    const int64_t key = slot_key(in.chunk, in.micro_batch);
+    if (in.purpose == Purpose::PipelineActivation) {
+      auto it = mbs_.find(key);
+      if (it == mbs_.end() || it->second.segments.empty())
+        throw std::runtime_error("Program error: activation of micro-batch " + std::to_string(in.micro_batch) +
+                                 " sent before its forward");
+      pipe_.send(in, it->second.segments.back().output.detach().to(dtype_));
+    } else if (in.purpose == Purpose::PipelineGradient) {
+      auto it = send_grad_.find(key);
+      if (it == send_grad_.end())
+        throw std::runtime_error("Program error: gradient of micro-batch " + std::to_string(in.micro_batch) +
+                                 " sent before its backward");
+      pipe_.send(in, it->second);
+      send_grad_.erase(it);
+    } else {
+      throw std::runtime_error(std::string("torch backend: Send of purpose ") + to_string(in.purpose));
+    }
+  }
+  void recv(const Instruction& in) {
+    if (in.purpose != Purpose::PipelineActivation && in.purpose != Purpose::PipelineGradient)
+      throw std::runtime_error(std::string("torch backend: Recv of purpose ") + to_string(in.purpose));
+    pipe_.post_recv(in, activation_buffer());
+  }
+
+  // The tied word embedding's gradient summed between the first and the last stage (DeepSpeed's
+  // ReduceTiedGrads, Megatron's embedding group), before either side's data-parallel reduction.
+  void sync_tied_embedding(const Instruction& in) {
+    if (!emb_comm_) throw std::runtime_error("Program error: EmbeddingSync on a rank outside the embedding group");
+    if (stage_ > 1) throw std::runtime_error("torch backend: EmbeddingSync needs ZeRO stage 0 or 1");
+    const int u = layout_.owns(0) ? 0 : cfg_.head_copy_unit();
+    at::Tensor g = grad16_.narrow(0, unit_offset(u), unit_params(cfg_, u)[0].numel());
+    check_bytes(in, double(g.numel()) * elt16());
+    for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
+      const Range& r = part_.grad_buckets[k].range;
+      if (r.begin < unit_offset(u) + g.numel() && unit_offset(u) < r.end() && !grad_dirty_[k])
+        throw std::runtime_error("Program error: the tied embedding's gradient bucket " + std::to_string(k) +
+                                 " was reduced before the EmbeddingSync");
+    }
+    emb_comm_->allreduce(g, in.purpose)->wait();
+  }
+
+  // ---- tensor parallelism (backends/torch/tensor_parallel.hpp) --------------------------------
+  // The Program's TP collectives on the compute stream are issued inside the Forward / Backward
+  // they follow; the engine checks that what was issued is what the Program lists.
+  void expect_tp(const Instruction& in) {
+    if (!tp_.active()) throw std::runtime_error("Program error: a tensor-parallel collective with tp = 1");
+    for (int r = 0; r < std::max(1, in.repeat); ++r) tp_expected_.push_back({in.op, in.bytes});
+  }
+  void check_tp_ledger() {
+    if (tp_expected_.empty() && tp_.ledger.empty()) return;
+    std::map<std::pair<int, long long>, int> diff;
+    for (const auto& [op, b] : tp_.ledger) diff[{int(op), std::llround(b)}] += 1;
+    for (const auto& [op, b] : tp_expected_) diff[{int(op), std::llround(b)}] -= 1;
+    for (const auto& [k, n] : diff)
+      if (n != 0)
+        throw std::runtime_error("Program/engine mismatch: the engine issued " + std::to_string(n > 0 ? n : 0) +
+                                 " and the Program lists " + std::to_string(n < 0 ? -n : 0) + " more tensor-parallel " +
+                                 to_string(Op(k.first)) + " of " + std::to_string(k.second) + " bytes (pc " +
+                                 std::to_string(pc_) + ")");
+    tp_.ledger.clear();
+    tp_expected_.clear();
+  }
+  // Sequence parallelism: the replicated parameters' gradients (LayerNorms, row-parallel biases,
+  // wpe) are partial sums over the sequence shards: summed over the TP group, bucket by bucket,
+  // before the bucket's data-parallel reduction.
+  void reduce_sequence_parallel_grads(const Instruction& in) {
+    if (!tp_.active() || !cfg_.sequence_parallel)
+      throw std::runtime_error("Program error: a tensor-parallel gradient all-reduce without sequence parallelism");
+    if (stage_ > 2 || in.bucket < 0 || in.bucket >= int(part_.grad_buckets.size()))
+      throw std::runtime_error("Program error: sequence-parallel gradient all-reduce of bucket " + std::to_string(in.bucket));
+    const Range& r = part_.grad_buckets[in.bucket].range;
+    std::vector<at::Tensor> views;
+    for (const auto& [off, n] : replicated_ranges_) {
+      const int64_t b = std::max(off, r.begin), e = std::min(off + n, r.end());
+      if (e > b) views.push_back(grad16_.narrow(0, b, e - b));
+    }
+    if (views.empty()) throw std::runtime_error("Program error: bucket " + std::to_string(in.bucket) + " holds no replicated parameters");
+    at::Tensor flat = at::cat(views);
+    check_bytes(in, double(flat.numel()) * elt16());
+    tp_comm_->allreduce(flat, in.purpose)->wait();
+    at::NoGradGuard ng;
+    int64_t o = 0;
+    for (auto& v : views) {
+      v.copy_(flat.narrow(0, o, v.numel()));
+      o += v.numel();
+    }
+  }
+
+  // Which gradients this rank counts in the global norm: a TP-replicated tensor on TP rank 0
+  // only, the last stage's copy of the tied embedding never (the first stage counts it).
+  void plan_gradient_norm() {
+    for (int u : layout_.units) {
+      int64_t off = unit_offset(u);
+      const auto ps = unit_params(cfg_, u);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (u != cfg_.head_copy_unit() && replicated_over_tp(cfg_, u, int(i))) replicated_ranges_.push_back({off, ps[i].numel()});
+        off += ps[i].numel();
+      }
+    }
+    if (sc_.parallel.tp == 1 && sc_.parallel.pp == 1) return;
+    if (stage_ > 2) throw std::logic_error("gradient norm weights: ZeRO-3 with tp / pp > 1");
+    auto w = at::ones({part_.padded_numel}, at::TensorOptions().dtype(at::kFloat));
+    if (coord_.tp != 0)
+      for (const auto& [off, n] : replicated_ranges_) w.narrow(0, off, n).zero_();
+    if (layout_.owns(cfg_.head_copy_unit()))
+      w.narrow(0, unit_offset(cfg_.head_copy_unit()), unit_numel(cfg_, cfg_.head_copy_unit())).zero_();
+    norm_weight_ = (stage_ == 0 ? w : w.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).clone()).to(state_device_);
+  }
+
   // ---- optimizer ----------------------------------------------------------------------------
   void optimizer_step() {
+    check_tp_ledger();
     flush_all();
     at::NoGradGuard ng;
     fold_unreduced();
@@ -762,12 +959,21 @@ class Engine {
     if (inject) grad_acc_.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
     const double inv_scale = 1.0 / scaler_.scale();
     const double clip = sc_.training.gradient_clipping;
-    // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else.
+    // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else,
+    // and over pipeline stages and TP slices, each parameter counted once (norm_weight_).
     // Needed for clipping and fp16 overflow detection only (it costs a pass and a host sync).
     double norm2 = 0;
     if (clip > 0 || fp16_ || inject) {
-      auto sumsq = sum_of_squares(grad_acc_).mul_(inv_scale * inv_scale).reshape({1});
-      if (stage_ >= 1 && dp_ > 1) comm_.allreduce(sumsq, Purpose::None)->wait();
+      at::Tensor sumsq;
+      if (norm_weight_.defined()) sumsq = (grad_acc_.square() * norm_weight_.to(grad_acc_.device())).sum();
+      else sumsq = sum_of_squares(grad_acc_);
+      sumsq = sumsq.mul_(inv_scale * inv_scale).reshape({1});
+      if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) {
+        if (stage_ == 0 && dpr_ != 0) sumsq.zero_();  // its data-parallel replica 0 counts the whole
+        world_.allreduce(sumsq, Purpose::None)->wait();
+      } else if (stage_ >= 1 && dp_ > 1) {
+        dp_comm_->allreduce(sumsq, Purpose::None)->wait();
+      }
       norm2 = sumsq.item<double>();
     }
     const bool overflow = !std::isfinite(norm2);
@@ -815,7 +1021,7 @@ class Engine {
   // the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam
   // step-plus-copy): the Program's HostOptimizerStep and its CopyH2D, the copy timed as the latter.
   void host_step_and_publish(const at::Tensor& g, const AdamWHyper& hyper) {
-    at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel)
+    at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel)
                                                           : shard16_;
     inner_seconds_["copy_h2d"] += dssim::tb::host_step_and_publish(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper,
                                                                    dst, staging16_);
@@ -848,7 +1054,7 @@ class Engine {
   void publish_master() {
     at::NoGradGuard ng;
     if (stage_ == 0) flat16_.copy_(master_);
-    else if (stage_ <= 2) flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel).copy_(master_);
+    else if (stage_ <= 2) flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).copy_(master_);
     else shard16_.copy_(master_);
   }
 
@@ -892,16 +1098,16 @@ class Engine {
       if (!out) throw std::runtime_error("cannot write checkpoint " + tmp);
     }
     fs::rename(tmp, file);
-    comm_.barrier();  // every shard is in place before the manifest names the step
+    world_.barrier();  // every shard is in place before the manifest names the step
     if (rank_ == 0) {
-      nlohmann::json m = {{"step", step_}, {"world", dp_}, {"zero_stage", stage_},
+      nlohmann::json m = {{"step", step_}, {"world", world_.size()}, {"tp", sc_.parallel.tp}, {"pp", sc_.parallel.pp}, {"zero_stage", stage_},
                           {"dtype", to_string(sc_.precision.dtype)}, {"dir", std::string(name)},
                           {"padded_numel", part_.padded_numel}};
       const auto mf = root / "manifest.json", mtmp = root / "manifest.json.tmp";
       { std::ofstream out(mtmp); out << m.dump(2) << "\n"; }
       fs::rename(mtmp, mf);
     }
-    comm_.barrier();
+    world_.barrier();
   }
 
   void load_checkpoint() {
@@ -911,13 +1117,14 @@ class Engine {
     if (!in) throw std::invalid_argument("--resume: no checkpoint manifest at " + mf.string());
     nlohmann::json m = nlohmann::json::parse(in);
     const int world = m.at("world"), stage = m.at("zero_stage");
-    if (world != dp_ || stage != stage_)
+    if (world != world_.size() || stage != stage_ || m.value("tp", 1) != sc_.parallel.tp ||
+        m.value("pp", 1) != sc_.parallel.pp)
       throw std::invalid_argument("--resume: the checkpoint in " + root.string() + " was written by " +
                                   std::to_string(world) + " ranks with ZeRO stage " + std::to_string(stage) +
-                                  "; this run has " + std::to_string(dp_) + " ranks with stage " +
+                                  "; this run has " + std::to_string(world_.size()) + " ranks with stage " +
                                   std::to_string(stage_) +
                                   ". Resuming with a different world size or stage is not supported.");
-    if (m.at("padded_numel").get<int64_t>() != part_.padded_numel)
+    if (sc_.parallel.pp == 1 && m.at("padded_numel").get<int64_t>() != part_.padded_numel)
       throw std::invalid_argument("--resume: the checkpoint is of a different model");
     const std::string file = rank_file(root / m.at("dir").get<std::string>());
     std::ifstream f(file, std::ios::binary);
@@ -936,8 +1143,8 @@ class Engine {
     publish_master();
     // Every rank's 16-bit copy is whole again (stages 1/2: all-gather the shards, uncounted).
     if (stage_ >= 1 && stage_ <= 2 && dp_ > 1) {
-      auto mine = flat16_.narrow(0, part_.shard(rank_).begin, part_.shard_numel).clone();
-      comm_.all_gather(flat16_, mine, Purpose::None)->wait();
+      auto mine = flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).clone();
+      dp_comm_->all_gather(flat16_, mine, Purpose::None)->wait();
     }
   }
 
@@ -948,7 +1155,7 @@ class Engine {
     else if (stage_ <= 2) {
       auto mine = master_.to(dev_).contiguous();
       full = at::empty({part_.padded_numel}, mine.options());
-      comm_.all_gather(full, mine, Purpose::None)->wait();
+      dp_comm_->all_gather(full, mine, Purpose::None)->wait();
       full = full.to(at::kCPU);
     } else {
       std::vector<at::Tensor> groups;
@@ -956,17 +1163,55 @@ class Engine {
         const auto& g = part_.stage3_groups[gi];
         auto mine = master_.narrow(0, group_shard_offset_[gi], g.shard_numel).to(dev_).contiguous();
         auto out = at::empty({g.padded_numel()}, mine.options());
-        comm_.all_gather(out, mine, Purpose::None)->wait();
+        dp_comm_->all_gather(out, mine, Purpose::None)->wait();
         auto f = at::empty({g.numel}, mine.options());
         gathered_to_full(gi, out, f);
         groups.push_back(f.to(at::kCPU));
       }
       full = at::cat(groups);
     }
-    if (rank_ != 0) return;
     full = full.narrow(0, 0, part_.numel).contiguous();
+    if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) full = assemble_whole_model(full);
+    if (rank_ != 0) return;
     std::ofstream out(o_.dump_params, std::ios::binary | std::ios::trunc);
     out.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
+  }
+
+  // Rank 0 puts the whole model together from the data-parallel rank 0 of every (stage, TP rank),
+  // unsliced to the tp = 1 shapes, in the one-stage order (embedding, blocks, final norm): the
+  // layout of a single-rank run's dump. Other ranks return an empty tensor.
+  at::Tensor assemble_whole_model(const at::Tensor& mine) {
+    constexpr int kTag = 1 << 30;
+    if (coord_.dp == 0 && rank_ != 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
+    if (rank_ != 0) return {};
+    std::map<std::pair<int, int>, std::vector<at::Tensor>> pieces;  // (unit, parameter) -> by TP rank
+    for (int s = 0; s < sc_.parallel.pp; ++s)
+      for (int t = 0; t < sc_.parallel.tp; ++t) {
+        const int r = grid_.rank_of(0, s, t);
+        const StageLayout lay = stage_layout(cfg_, program_.ranks.at(r), sc_.parallel.pp);
+        int64_t n = 0;
+        for (int u : lay.units) n += unit_numel(cfg_, u);
+        at::Tensor flat = mine;
+        if (r != 0) {
+          flat = at::empty({n}, mine.options());
+          world_.recv(flat, r, kTag, Purpose::None)->wait();
+        }
+        int64_t off = 0;
+        for (int u : lay.units) {
+          auto views = unit_views(cfg_, u, flat.narrow(0, off, unit_numel(cfg_, u)));
+          for (size_t i = 0; i < views.size(); ++i) {
+            auto& v = pieces[{u, int(i)}];
+            v.resize(sc_.parallel.tp);
+            v[t] = views[i];
+          }
+          off += unit_numel(cfg_, u);
+        }
+      }
+    std::vector<at::Tensor> out;
+    for (int u = 0; u <= cfg_.final_unit(); ++u)
+      for (int i = 0; i < int(unit_params(cfg_, u).size()); ++i)
+        out.push_back(tp_unslice(cfg_, u, i, pieces.at({u, i})).reshape({-1}));
+    return at::cat(out);
   }
 
   // ---- the step -----------------------------------------------------------------------------
@@ -1017,6 +1262,9 @@ class Engine {
     for (pc_ = 0; pc_ < rp.instructions.size(); ++pc_) {
       const Instruction& in = rp.instructions[pc_];
       const bool timed = measuring_;
+      if (trace_)
+        std::fprintf(stderr, "rank %d pc %zu: %s/%s mb %d chunk %d layers %d+%d x%d\n", rank_, pc_, to_string(in.op),
+                     to_string(in.purpose), in.micro_batch, in.chunk, in.layer_begin, in.layer_count, in.repeat);
       if (timeline) {
         peak_seen_ = std::max(peak_seen_, cuda_peak_allocated_bytes(dev_));
         cuda_reset_peak(dev_);
@@ -1024,16 +1272,26 @@ class Engine {
       auto t0 = Clock::now();
       const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
       const double cw0 = comm_wait_seconds_;
-      for (int rep = 0; rep < std::max(1, in.repeat); ++rep) {
+      tp_.timing = timed;
+      const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute;
+      if (ledger_only) expect_tp(in);  // issued inside the compute (tensor_parallel.cpp)
+      for (int rep = 0; rep < (ledger_only ? 0 : std::max(1, in.repeat)); ++rep) {
         switch (in.op) {
           case Op::Forward: forward(in); after_use(in); break;
           case Op::Backward: backward(in); after_use(in); break;
-          case Op::Recompute: break;  // done inside Backward (recompute-then-backward per layer)
+          case Op::Recompute:  // done inside Backward (recompute-then-backward per layer)
+            check_tp_ledger();
+            after_recompute_ = true;
+            break;
+          case Op::Send: send(in); break;
+          case Op::Recv: recv(in); break;
           case Op::OptimizerStep:
           case Op::HostOptimizerStep: optimizer_step(); break;
           case Op::AllReduce:
           case Op::ReduceScatter:
             if (in.purpose == Purpose::GradientReduce) reduce_gradients(in);
+            else if (in.purpose == Purpose::EmbeddingSync) sync_tied_embedding(in);
+            else if (in.purpose == Purpose::TensorParallel) reduce_sequence_parallel_grads(in);
             else throw std::runtime_error(std::string("torch backend: unsupported collective purpose ") + to_string(in.purpose));
             break;
           case Op::AllGather:
@@ -1043,10 +1301,17 @@ class Engine {
           case Op::CopyD2H: copy_d2h(in); break;
           case Op::CopyH2D: copy_h2d(in); break;
           default:
-            throw std::runtime_error(std::string("torch backend: instruction ") + to_string(in.op) +
-                                     " is not supported (data parallelism only)");
+            throw std::runtime_error(std::string("torch backend: instruction ") + to_string(in.op) + "/" +
+                                     to_string(in.purpose) + " is not supported (MoE all-to-alls and 1-bit Adam are not "
+                                     "implemented in the torch backend)");
         }
       }
+      // TP collectives ran inside the compute: reported under their own kinds.
+      for (auto& [op, sec] : tp_.seconds) {
+        inner_seconds_[to_string(op)] += sec;
+        tp_comm_seconds_ += sec;
+      }
+      tp_.seconds.clear();
       if (timed) {
         // A collective runs on the communicator's stream: timed to its completion.
         if (is_collective(in.op)) sync();
@@ -1063,7 +1328,8 @@ class Engine {
         const double cw = comm_wait_seconds_ - cw0;
         seconds_by_op_[to_string(in.op)] += dt - inner - cw;
         if (cw > 0) seconds_by_op_["dp_comm_wait"] += cw;
-        if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D)
+        if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D || in.op == Op::Send ||
+            in.op == Op::Recv)
           expected_[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
       }
       if (timeline) {
@@ -1091,16 +1357,29 @@ class Engine {
 
   const Scenario& sc_;
   const Program& program_;
-  Communicator& comm_;
+  Communicator& world_;  // every rank: control traffic, pipeline messages, the parent of the groups
   EngineOptions o_;
   torch::Device dev_;
+  ProcessGrid grid_;
+  RankCoord coord_;
   torch::Device state_device_ = torch::Device(torch::kCPU);
   GptConfig cfg_;
-  int stage_, dp_, rank_;
+  int stage_, dp_, rank_, dpr_;  // ZeRO stage, data-parallel size, world rank, data-parallel rank
   at::ScalarType dtype_;
   bool fp16_;
   DynamicLossScaler scaler_;
   DataSource data_;
+  PipeMessages pipe_;
+  StageLayout layout_;
+  std::unique_ptr<Communicator> tp_comm_, dp_comm_, emb_comm_;
+  TensorParallel tp_;
+  std::vector<std::pair<Op, double>> tp_expected_;  // the Program's TP collectives since the last check
+  bool after_recompute_ = false;
+  const bool trace_ = std::getenv("DSSIM_TRACE_PROGRAM") != nullptr;  // one line per instruction (debugging)
+  double tp_comm_seconds_ = 0;  // while measuring
+  std::map<int64_t, at::Tensor> send_grad_;          // by slot_key: input gradients to send
+  std::vector<std::pair<int64_t, int64_t>> replicated_ranges_;  // TP-replicated tensors in the flat layout
+  at::Tensor norm_weight_;  // 1 where this rank counts a gradient in the global norm (tp / pp > 1)
   int micro_batch_ = 1, grad_accum_ = 1;
   bool recompute_attention_ = false;
   bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false;
@@ -1124,8 +1403,8 @@ class Engine {
   std::vector<bool> grad_dirty_;
   std::vector<std::vector<bool>> keep_after_use_;
   std::vector<int> persistent_;
-  std::map<int, MicroBatchState> mbs_;
-  std::map<int, at::Tensor> pending_grad_;
+  std::map<int64_t, MicroBatchState> mbs_;  // by slot_key(chunk, micro-batch)
+  std::map<int64_t, at::Tensor> pending_grad_;
   at::Tensor loss_sum_;
   int64_t step_ = 0, adam_step_ = 0;
   size_t pc_ = 0;
@@ -1164,7 +1443,7 @@ EngineResult Engine::run() {
     }
     measuring_ = done >= warm;
     if (measuring_ && done == warm) {
-      comm_.reset_counters();
+      world_.reset_counters();
       copy_bytes_.clear();
       copy_calls_.clear();
       host_acc_.drain();
@@ -1178,6 +1457,10 @@ EngineResult Engine::run() {
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
     execute(rp, record ? &res.memory_timeline : nullptr);
+    check_tp_ledger();
+    pipe_.finish_sends();
+    if (!mbs_.empty() || !send_grad_.empty())
+      throw std::runtime_error("Program error: the step ended with micro-batches whose backward never ran");
     {
       const double cw0 = comm_wait_seconds_;
       flush_all();
@@ -1190,9 +1473,11 @@ EngineResult Engine::run() {
     // Mean loss over micro-batches and ranks (control traffic, not the Program's).
     auto loss = (loss_sum_.defined() ? loss_sum_ : at::zeros({1}, at::TensorOptions().device(dev_)))
                     .to(at::kFloat).reshape({1}) / double(grad_accum_);
-    if (dp_ > 1) {
+    if (world_.size() > 1) {
+      // Only the last stage computes the loss; one rank of each TP group reports it.
       auto l = loss.clone();
-      comm_.allreduce(l, Purpose::None)->wait();
+      if (!layout_.chunks.back().last || coord_.tp != 0) l.zero_();
+      world_.allreduce(l, Purpose::None)->wait();
       loss = l / double(dp_);
     }
     const double lv = loss.item<double>();
@@ -1213,7 +1498,8 @@ EngineResult Engine::run() {
   if (!o_.dump_params.empty()) dump_params();
   res.measured_steps = int(res.step_seconds.size());
   res.seconds_by_op = seconds_by_op_;
-  res.comm = comm_.counters();
+  res.tp_comm_seconds = tp_comm_seconds_;
+  res.comm = world_.counters();
   for (const auto& [k, v] : copy_bytes_) res.comm.bytes[k] += v;
   for (const auto& [k, v] : copy_calls_) res.comm.calls[k] += v;
   res.expected_bytes = expected_;
@@ -1250,7 +1536,10 @@ EngineResult Engine::run() {
 }  // namespace
 
 ZeroPartition engine_partition(const Scenario& sc) {
-  return make_zero_partition(partition_spec(GptConfig::from(sc.model), sc.zero, sc.parallel.dp));
+  const GptConfig c = GptConfig::from(sc.model);
+  std::vector<int> units;
+  for (int u = 0; u <= c.final_unit(); ++u) units.push_back(u);
+  return make_zero_partition(partition_spec(c, sc.zero, sc.parallel.dp, units));
 }
 
 EngineResult train(const Scenario& sc, const Program& program, Communicator& comm,

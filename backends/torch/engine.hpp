@@ -22,6 +22,10 @@ struct EngineResult {
   std::vector<double> step_seconds;
   std::map<std::string, double> seconds_by_op;  // time per instruction kind, summed over measured steps
   int measured_steps = 0;
+  // Of seconds_by_op, over the measured steps: the tensor-parallel collectives (run inside the
+  // compute, reported under their op names) and the waits for pipeline receives (under "recv":
+  // the bubble plus the exposed transfer).
+  double tp_comm_seconds = 0;
   CommCounters comm;                 // over the measured steps
   std::map<std::string, double> expected_bytes;  // Program's size bytes, same keys, same steps
   std::map<std::string, double> memory_bytes;    // peak by category

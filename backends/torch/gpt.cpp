@@ -6,7 +6,7 @@
 
 namespace dssim::tb {
 
-GptConfig GptConfig::from(const ModelSpec& m) {
+GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence_parallel) {
   GptConfig c;
   c.layers = m.layers;
   c.hidden = m.hidden;
@@ -24,6 +24,28 @@ GptConfig GptConfig::from(const ModelSpec& m) {
     throw std::invalid_argument("torch backend: model.dropout = " + std::to_string(m.dropout) +
                                 " is not implemented (dssim's GPT trains without dropout); set model.dropout: 0");
   if (!m.tied_embeddings) throw std::invalid_argument("torch backend: only tied embeddings are supported");
+  c.tp = tp;
+  c.tp_rank = tp_rank;
+  c.sequence_parallel = sequence_parallel && tp > 1;
+  auto need = [&](const char* key, int64_t value, const char* what) {
+    if (value % tp != 0)
+      throw std::invalid_argument(std::string(key) + " = " + std::to_string(value) + " is not divisible by parallel.tp = " +
+                                  std::to_string(tp) + " (" + what + "); choose a tp that divides it");
+  };
+  if (tp > 1) {
+    need("model.heads", c.heads, "each tensor-parallel rank computes whole attention heads");
+    need("model.ffn_hidden", c.ffn, "the MLP is split by columns");
+    need("model.vocab", c.vocab, "the word embedding and LM head are split by vocabulary rows; pad the vocabulary");
+    if (c.sequence_parallel) need("model.seq_len", c.seq_len, "sequence parallelism shards the sequence");
+  }
+  return c;
+}
+
+GptConfig GptConfig::whole() const {
+  GptConfig c = *this;
+  c.tp = 1;
+  c.tp_rank = 0;
+  c.sequence_parallel = false;
   return c;
 }
 
@@ -34,17 +56,26 @@ int64_t ParamSpec::numel() const {
 }
 
 std::vector<ParamSpec> unit_params(const GptConfig& c, int unit) {
-  const int64_t h = c.hidden, f = c.ffn;
+  const int64_t h = c.hidden, f = c.ffn / c.tp, ht = c.hidden / c.tp, v = c.vocab_local();
   if (unit == 0)
-    return {{"wte", {c.vocab, h}, ParamSpec::Normal}, {"wpe", {c.seq_len, h}, ParamSpec::Normal}};
+    return {{"wte", {v, h}, ParamSpec::Normal}, {"wpe", {c.seq_len, h}, ParamSpec::Normal}};
   if (unit == c.final_unit())
     return {{"lnf.w", {h}, ParamSpec::Ones}, {"lnf.b", {h}, ParamSpec::Zeros}};
+  if (unit == c.head_copy_unit()) return {{"wte", {v, h}, ParamSpec::Normal}};
   return {{"ln1.w", {h}, ParamSpec::Ones},        {"ln1.b", {h}, ParamSpec::Zeros},
-          {"qkv.w", {3 * h, h}, ParamSpec::Normal}, {"qkv.b", {3 * h}, ParamSpec::Zeros},
-          {"proj.w", {h, h}, ParamSpec::ScaledNormal}, {"proj.b", {h}, ParamSpec::Zeros},
+          {"qkv.w", {3 * ht, h}, ParamSpec::Normal}, {"qkv.b", {3 * ht}, ParamSpec::Zeros},
+          {"proj.w", {h, ht}, ParamSpec::ScaledNormal}, {"proj.b", {h}, ParamSpec::Zeros},
           {"ln2.w", {h}, ParamSpec::Ones},        {"ln2.b", {h}, ParamSpec::Zeros},
           {"fc.w", {f, h}, ParamSpec::Normal},    {"fc.b", {f}, ParamSpec::Zeros},
           {"fc2.w", {h, f}, ParamSpec::ScaledNormal}, {"fc2.b", {h}, ParamSpec::Zeros}};
+}
+
+bool replicated_over_tp(const GptConfig& c, int unit, int index) {
+  if (unit == 0) return index == 1;  // wpe
+  if (unit == c.final_unit()) return true;
+  if (unit == c.head_copy_unit()) return false;
+  // ln1 w,b (0,1), proj.b (5), ln2 w,b (6,7), fc2.b (11)
+  return index == 0 || index == 1 || index == 5 || index == 6 || index == 7 || index == 11;
 }
 
 int64_t unit_numel(const GptConfig& c, int unit) {
@@ -63,8 +94,57 @@ std::vector<at::Tensor> unit_views(const GptConfig& c, int unit, const at::Tenso
   return out;
 }
 
+namespace {
+// This TP rank's slice of a whole parameter (Megatron's partitioning of the master weight).
+at::Tensor tp_slice(const GptConfig& c, int unit, int index, const at::Tensor& whole) {
+  const int64_t t = c.tp, r = c.tp_rank;
+  if (t == 1 || replicated_over_tp(c, unit, index)) return whole;
+  const std::string name = unit_params(c, unit)[index].name;
+  if (name == "wte") return whole.narrow(0, c.vocab_begin(), c.vocab_local());
+  if (name == "qkv.w" || name == "qkv.b") {  // [3, heads, d, ...]: this rank's heads of q, k and v
+    auto parts = whole.view({3, c.hidden, -1});
+    const int64_t ht = c.hidden / t;
+    auto mine = parts.narrow(1, r * ht, ht);
+    return name == "qkv.b" ? mine.reshape({3 * ht}) : mine.reshape({3 * ht, c.hidden});
+  }
+  if (name == "fc.w" || name == "fc.b") return whole.narrow(0, r * (c.ffn / t), c.ffn / t);
+  if (name == "proj.w") return whole.narrow(1, r * (c.hidden / t), c.hidden / t);
+  if (name == "fc2.w") return whole.narrow(1, r * (c.ffn / t), c.ffn / t);
+  throw std::logic_error("tp_slice: no rule for " + name);
+}
+}  // namespace
+
+at::Tensor tp_unslice(const GptConfig& c, int unit, int index, const std::vector<at::Tensor>& pieces) {
+  if (c.tp == 1 || replicated_over_tp(c, unit, index)) return pieces.at(0);
+  const std::string name = unit_params(c, unit)[index].name;
+  if (name == "wte" || name == "fc.w" || name == "fc.b") return at::cat(pieces, 0);
+  if (name == "proj.w" || name == "fc2.w") return at::cat(pieces, 1);
+  if (name == "qkv.w" || name == "qkv.b") {
+    std::vector<at::Tensor> parts;
+    for (const auto& p : pieces) parts.push_back(p.reshape({3, c.hidden / c.tp, -1}));
+    return at::cat(parts, 1).reshape(name == "qkv.b" ? std::vector<int64_t>{3 * c.hidden}
+                                                     : std::vector<int64_t>{3 * c.hidden, c.hidden});
+  }
+  throw std::logic_error("tp_unslice: no rule for " + name);
+}
+
 void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed) {
   at::NoGradGuard ng;
+  if (unit == c.head_copy_unit()) {  // starts equal to the word embedding it is tied to
+    auto emb = at::empty({unit_numel(c, 0)}, flat.options());
+    init_unit(c, 0, emb, seed);
+    flat.copy_(unit_views(c, 0, emb)[0].reshape({-1}));
+    return;
+  }
+  if (c.tp > 1) {
+    const GptConfig w = c.whole();
+    auto whole = at::empty({unit_numel(w, unit)}, flat.options());
+    init_unit(w, unit, whole, seed);
+    auto wv = unit_views(w, unit, whole);
+    auto mine = unit_views(c, unit, flat);
+    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(tp_slice(c, unit, int(i), wv[i]));
+    return;
+  }
   auto gen = seeded_generator(flat.device(), seed * 1000003ull + uint64_t(unit) * 7919ull + 17);
   const double std = 0.02, scaled = 0.02 / std::sqrt(2.0 * c.layers);
   auto views = unit_views(c, unit, flat);
@@ -96,11 +176,20 @@ std::vector<at::Tensor> compute_view(const std::vector<at::Tensor>& ps) {
 }
 }  // namespace
 
-at::Tensor embed_forward(const GptConfig& c, const std::vector<at::Tensor>& embed, const at::Tensor& tokens) {
+at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& embed,
+                         const at::Tensor& tokens) {
   auto v = compute_view(embed);
   const int64_t s = tokens.size(1);
-  auto pos = at::arange(s, tokens.options());
-  return at::embedding(v[0], tokens) + at::embedding(v[1], pos).unsqueeze(0);
+  if (!tp.active()) {
+    auto pos = at::arange(s, tokens.options());
+    return at::embedding(v[0], tokens) + at::embedding(v[1], pos).unsqueeze(0);
+  }
+  // Vocabulary-parallel: partial lookups summed over the group (reduce-scattered into sequence
+  // shards with sequence parallelism), then this rank's positions.
+  auto x = leave_tp_region(tp, vocab_parallel_lookup(v[0], tokens, c.vocab_begin()));
+  const int64_t s_local = x.size(1), first = tp.sequence_parallel ? s_local * tp.rank : 0;
+  auto pos = at::arange(first, first + s_local, tokens.options());
+  return x + at::embedding(v[1], pos).unsqueeze(0);
 }
 
 namespace {
@@ -128,31 +217,53 @@ struct RecomputedAttention : torch::autograd::Function<RecomputedAttention> {
 };
 }  // namespace
 
-at::Tensor block_forward(const GptConfig& c, const std::vector<at::Tensor>& block, const at::Tensor& x_in,
-                         bool recompute_attention) {
+at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
+                         const at::Tensor& x_in, bool recompute_attention) {
   const at::Tensor x = block[0].scalar_type() == at::kHalf && block[0].device().is_cpu() ? x_in.to(at::kFloat) : x_in;
   auto v = compute_view(block);
-  const int64_t B = x.size(0), S = x.size(1), h = c.hidden, a = c.heads, d = h / a;
-  auto y = layer_norm(x, h, v[0], v[1]);
-  // unbind, not qkv[i]: select's backward would zero-fill a whole qkv-sized gradient per part and
-  // add the three (about 5 % of the block's backward on an H200); unbind's stacks them once.
+  const int64_t h = c.hidden, a = c.heads / c.tp, d = c.hidden / c.heads, hl = a * d;
+  if (!tp.active()) {
+    const int64_t B = x.size(0), S = x.size(1);
+    auto y = layer_norm(x, h, v[0], v[1]);
+    // unbind, not qkv[i]: select's backward would zero-fill a whole qkv-sized gradient per part and
+    // add the three (about 5 % of the block's backward on an H200); unbind's stacks them once.
+    auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+    auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
+                                    : causal_attention(qkv[0], qkv[1], qkv[2]);
+    auto att = core.transpose(1, 2).reshape({B, S, h});
+    auto x1 = x + at::linear(att, v[4], v[5]);
+    auto y2 = layer_norm(x1, h, v[6], v[7]);
+    auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
+    return x1 + at::linear(m, v[10], v[11]);
+  }
+  // Megatron: column-parallel QKV and MLP-up after f (or the sequence all-gather), row-parallel
+  // projection and MLP-down before g (or the sequence reduce-scatter), biases of the row-parallel
+  // layers added after the reduction.
+  auto y = enter_tp_region(tp, layer_norm(x, h, v[0], v[1]));
+  const int64_t B = y.size(0), S = y.size(1);
   auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
   auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
                                   : causal_attention(qkv[0], qkv[1], qkv[2]);
-  auto att = core.transpose(1, 2).reshape({B, S, h});
-  auto x1 = x + at::linear(att, v[4], v[5]);
-  auto y2 = layer_norm(x1, h, v[6], v[7]);
+  auto att = core.transpose(1, 2).reshape({B, S, hl});
+  auto x1 = x + (leave_tp_region(tp, at::linear(att, v[4])) + v[5]);
+  auto y2 = enter_tp_region(tp, layer_norm(x1, h, v[6], v[7]));
   auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
-  return x1 + at::linear(m, v[10], v[11]);
+  return x1 + (leave_tp_region(tp, at::linear(m, v[10])) + v[11]);
 }
 
-at::Tensor head_loss(const GptConfig& c, const std::vector<at::Tensor>& final_norm, const std::vector<at::Tensor>& embed,
-                     const at::Tensor& x, const at::Tensor& targets) {
+at::Tensor head_loss(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& final_norm,
+                     const at::Tensor& wte, const at::Tensor& x, const at::Tensor& targets) {
   auto f = compute_view(final_norm);
-  auto e = compute_view(embed);
+  auto e = compute_view({wte});
   auto y = layer_norm(x, c.hidden, f[0], f[1]);
-  auto logits = at::matmul(y, e[0].t());
-  return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));
+  if (!tp.active()) {
+    auto logits = at::matmul(y, e[0].t());
+    return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));
+  }
+  // Column-parallel LM head over this rank's vocabulary rows, vocabulary-parallel cross-entropy.
+  auto logits = at::matmul(enter_tp_region(tp, y), e[0].t());
+  return vocab_parallel_cross_entropy(tp, logits.reshape({-1, c.vocab_local()}).to(at::kFloat), targets.reshape({-1}),
+                                      c.vocab_begin());
 }
 
 namespace {
@@ -178,14 +289,14 @@ DataSource::DataSource(std::string path, int vocab, int seq_len, uint64_t seed)
     throw std::invalid_argument("--data: " + path + " is shorter than seq_len + 2 bytes");
 }
 
-at::Tensor DataSource::batch(int64_t step, int mb, int dp_rank, int micro_batch) const {
+at::Tensor DataSource::batch(int64_t step, int mb, int dp_rank, int micro_batch, int64_t samples_per_rank) const {
   auto out = at::empty({micro_batch, seq_len_ + 1}, at::kLong);
   auto* p = out.data_ptr<int64_t>();
   for (int b = 0; b < micro_batch; ++b) {
-    // Keyed by the sample's index in this rank's batch, so 4 micro-batches of 2 see the same
-    // sequences as 1 of 8.
-    const uint64_t sample = uint64_t(mb) * uint64_t(micro_batch) + uint64_t(b);
-    uint64_t h = mix(mix(mix(seed_, uint64_t(step)), uint64_t(dp_rank)), sample);
+    // Keyed by the sample's index in the step's global batch, so 4 micro-batches of 2 see the
+    // same sequences as 1 of 8, on one rank or over data-parallel ranks.
+    const uint64_t sample = uint64_t(dp_rank) * uint64_t(samples_per_rank) + uint64_t(mb) * uint64_t(micro_batch) + uint64_t(b);
+    uint64_t h = mix(mix(seed_, uint64_t(step)), sample);
     int64_t* row = p + int64_t(b) * (seq_len_ + 1);
     if (!bytes_.empty()) {
       const uint64_t start = h % uint64_t(bytes_.size() - seq_len_ - 1);
