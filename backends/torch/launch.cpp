@@ -66,8 +66,15 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   r.time.optimizer = sec("optimizer_step") + sec("host_optimizer_step");
   r.time.exposed_offload = sec("copy_h2d") + sec("copy_d2h");
   // Exposed communication: issuing the collectives plus waiting for them where their results are
-  // consumed (dp_comm_wait).
-  r.time.exposed_dp = sec("all_reduce") + sec("reduce_scatter") + sec("all_gather") + sec("dp_comm_wait");
+  // consumed (dp_comm_wait). Tensor-parallel collectives run inside the compute, blocking it (as
+  // Megatron's do); the rest of the collectives' time is data-parallel (and the embedding sync).
+  r.time.exposed_tp = res.tp_comm_seconds / n * to_median;
+  r.time.exposed_dp = std::max(0.0, sec("all_reduce") + sec("reduce_scatter") + sec("all_gather") +
+                                        sec("dp_comm_wait") - r.time.exposed_tp);
+  // Pipeline: issuing the sends, and the compute's waits for a receive, which are the bubble
+  // (waiting for the neighbour stage to produce) plus whatever of the transfer was not hidden.
+  r.time.exposed_pp = sec("send");
+  r.time.bubble = sec("recv");
   auto mem = [&](const char* k) {
     auto it = res.memory_bytes.find(k);
     return it == res.memory_bytes.end() ? 0.0 : it->second;
