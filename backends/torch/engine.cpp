@@ -235,12 +235,25 @@ class Engine {
     for (int u : layout_.units) {
       first_tensor_[u] = t;
       t += int(unit_params(cfg_, u).size());
+      for (int i = first_tensor_[u]; i < t; ++i) tensor_leaf_.push_back({u, i - first_tensor_[u]});
     }
     p16_.resize(cfg_.units());
     if (stage_ <= 2) {
       flat16_ = at::zeros({part_.padded_numel}, dev16);
-      grad16_ = at::zeros({part_.padded_numel}, dev16);
       const int64_t n = stage_ == 0 ? part_.padded_numel : part_.shard_numel;
+      if (stage_ <= 1) {
+        grad16_ = at::zeros({part_.padded_numel}, dev16);
+      } else {
+        // Stage 2 (DeepSpeed's averaged_gradients): only this rank's partition of the reduced
+        // gradients, 16-bit, accumulated over the micro-batches and copied to fp32 at the step;
+        // backward writes into per-bucket buffers (bucket_grad) that live until their reduction
+        // is folded in. With the optimizer offloaded, the partition is the host's fp32 buffer.
+        // One rank without per-bucket work to do (no offload copies, no sequence-parallel sums)
+        // has no buckets: the partition is the whole buffer and backward accumulates into it.
+        direct_partition_ = dp_ == 1 && !offload_ && !(sc_.parallel.tp > 1 && cfg_.sequence_parallel);
+        grad_acc_ = offload_ ? at::zeros({n}, st32) : at::zeros({n}, dev16);
+        bucket16_.assign(part_.grad_buckets.size(), at::Tensor());
+      }
       master_ = at::zeros({n}, st32);
       auto full32 = at::zeros({part_.padded_numel}, dev16.dtype(at::kFloat));
       for (int u : layout_.units)
@@ -250,7 +263,10 @@ class Engine {
       else master_.copy_(full32.narrow(0, part_.shard(dpr_).begin, part_.shard_numel));
       for (int u : layout_.units) {
         const int64_t off = unit_offset(u), n_u = unit_numel(cfg_, u);
-        p16_[u] = leaves(flat16_.narrow(0, off, n_u), grad16_.narrow(0, off, n_u), u);
+        const at::Tensor g = stage_ <= 1        ? grad16_.narrow(0, off, n_u)
+                             : direct_partition_ ? grad_acc_.narrow(0, off, n_u)
+                                                 : at::Tensor();  // bound to its bucket by prepare_grad
+        p16_[u] = leaves(flat16_.narrow(0, off, n_u), g, u);
       }
       grad_dirty_.assign(part_.grad_buckets.size(), false);
     } else {
@@ -301,7 +317,7 @@ class Engine {
     }
     exp_avg_ = at::zeros_like(master_);
     exp_avg_sq_ = at::zeros_like(master_);
-    grad_acc_ = at::zeros(master_.sizes(), st32);
+    if (!grad_acc_.defined()) grad_acc_ = at::zeros(master_.sizes(), st32);
     if (offload_param_) shard16_ = shard16_.to(at::kCPU);
   }
 
@@ -450,6 +466,14 @@ class Engine {
   }
 
   void prepare_grad(int u) {
+    if (stage_ == 2 && !direct_partition_) {
+      const int64_t b = unit_offset(u), e = b + unit_numel(cfg_, u);
+      for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
+        const Range& r = part_.grad_buckets[k].range;
+        if (r.begin < e && b < r.end()) bucket_grad(int(k));
+      }
+      return;
+    }
     if (stage_ < 3) return;
     const int g = group_of(u);
     if (!gradg_[g].defined()) {
@@ -484,6 +508,7 @@ class Engine {
       grad = seg.input.grad();
       mark_dirty(cfg_.final_unit());
       mark_dirty(head_weight_unit());
+      complete_buckets(cfg_.final_unit());
       st.segments.pop_back();
     } else if (le == ch.layer_end()) {  // the chunk's output gradient comes from the next stage
       grad = pipe_.take(Purpose::PipelineGradient, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
@@ -511,6 +536,7 @@ class Engine {
       torch::autograd::backward({out}, {grad.to(out.scalar_type())});
       grad = seg.input.grad();
       mark_dirty(u);
+      complete_buckets(u);
       st.segments.pop_back();
       if (l > 0) fold_group_now(group_of(u));
     }
@@ -525,6 +551,7 @@ class Engine {
       prepare_grad(0);
       torch::autograd::backward({seg.output}, {grad.to(seg.output.scalar_type())});
       mark_dirty(0);
+      complete_buckets(0);
       fold_group_now(group_of(0));
     } else {
       send_grad_[key] = grad.to(dtype_);  // the input's gradient, for the Program's SendGrad
@@ -596,13 +623,13 @@ class Engine {
         throw std::runtime_error("Program error: gradient bucket " + std::to_string(k) + " does not exist");
       const auto& b = part_.grad_buckets[k];
       check_bytes(in, double(b.range.count) * elt16());
-      auto buf = grad16_.narrow(0, b.range.begin, b.range.count);
+      auto buf = stage_ == 2 ? take_bucket(k) : grad16_.narrow(0, b.range.begin, b.range.count);
       grad_dirty_[k] = false;
       if (in.op == Op::AllReduce || stage_ == 0) {
         auto work = dp_comm_->allreduce(buf, in.purpose);
         defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
                  fold_full(part_.grad_buckets[k].range, buf, k);
-                 buf.zero_();
+                 recycle(buf);
                }});
       } else {
         // DeepSpeed reduces each rank's intersection with the bucket to its owner; the same data
@@ -615,7 +642,7 @@ class Engine {
                    const Range shard = part_.shard(dpr_);
                    accumulate(k, mine.begin - shard.begin, buf.narrow(0, mine.begin - b.range.begin, mine.count));
                  }
-                 buf.zero_();
+                 recycle(buf);
                }});
       }
     } else {
@@ -700,7 +727,13 @@ class Engine {
   void fold_local_bucket(int k) {
     if (!grad_dirty_[k]) return;
     if (dp_ > 1) throw std::runtime_error("Program error: gradients of bucket " + std::to_string(k) + " left unreduced");
-    if (stage_ <= 2) {
+    if (stage_ == 2) {
+      if (!direct_partition_) {  // direct: backward accumulated into the partition itself
+        auto buf = take_bucket(k);
+        fold_full(part_.grad_buckets[k].range, buf, k);
+        free_bucket(buf);
+      }
+    } else if (stage_ <= 1) {
       const auto& r = part_.grad_buckets[k].range;
       auto buf = grad16_.narrow(0, r.begin, r.count);
       fold_full(r, buf, k);
@@ -717,6 +750,69 @@ class Engine {
       for (auto& leaf : p16_[v]) leaf.mutable_grad() = at::Tensor();
     gradg_[g] = at::Tensor();
     grad_dirty_[g] = false;
+  }
+
+  // ---- stage 2: per-bucket gradient buffers (DeepSpeed's ipg buckets) ----------------------------
+  // Bucket k's 16-bit gradients: allocated (zeroed) when backward first writes into the bucket,
+  // the leaves of its tensors pointing into it.
+  at::Tensor& bucket_grad(int k) {
+    at::Tensor& buf = bucket16_.at(k);
+    if (buf.defined()) return buf;
+    make_room_for_bucket();
+    const GradBucket& gb = part_.grad_buckets[k];
+    buf = at::zeros({gb.range.count}, flat16_.options());
+    for (int t = gb.first_tensor; t <= gb.last_tensor; ++t) {
+      at::Tensor& leaf = leaf_of_tensor(t);
+      leaf.mutable_grad() = buf.narrow(0, part_.offsets[t] - gb.range.begin, leaf.numel()).view(leaf.sizes());
+    }
+    bucket_bytes_ += bytes(buf);
+    bucket_peak_ = std::max(bucket_peak_, bucket_bytes_);
+    return buf;
+  }
+  // The bucket handed to its reduction (or local fold): its leaves let go of it, so a later
+  // backward writing into the bucket gets a new buffer.
+  at::Tensor take_bucket(int k) {
+    at::Tensor buf = bucket_grad(k);  // zeros if no backward wrote into it
+    const GradBucket& gb = part_.grad_buckets[k];
+    for (int t = gb.first_tensor; t <= gb.last_tensor; ++t) leaf_of_tensor(t).mutable_grad() = at::Tensor();
+    bucket16_[k] = at::Tensor();
+    return buf;
+  }
+  void free_bucket(at::Tensor& buf) {
+    bucket_bytes_ -= bytes(buf);
+    buf = at::Tensor();
+  }
+  // After its reduction is folded: stage 2 frees the bucket, stages 0/1 zero their slice of grad16_.
+  void recycle(at::Tensor& buf) {
+    if (stage_ == 2) free_bucket(buf);
+    else buf.zero_();
+  }
+  at::Tensor& leaf_of_tensor(int t) { return p16_[tensor_leaf_[t].first][tensor_leaf_[t].second]; }
+  // With overlap_comm DeepSpeed double-buffers the ipg bucket: a new bucket starts filling once
+  // the reductions issued before the newest one have completed (at most one in flight).
+  void make_room_for_bucket() {
+    const Deferred* newest = nullptr;
+    for (const auto& d : deferred_)
+      if (d.kind == Deferred::Reduce) newest = &d;
+    if (newest) flush([newest](const Deferred& d) { return d.kind == Deferred::Reduce && &d != newest; });
+  }
+  // Stage 2 on one rank (no reductions): a bucket is complete for the micro-batch once the unit of
+  // its first tensor has run its backward, and is folded into the partition then, unless the
+  // Program sums it over the TP group first (reduce_sequence_parallel_grads folds it after that).
+  void complete_buckets(int u) {
+    if (stage_ != 2 || direct_partition_ || dp_ != 1) return;
+    const int t0 = first_tensor_[u], t1 = t0 + int(p16_[u].size());
+    for (int k = 0; k < int(part_.grad_buckets.size()); ++k) {
+      const int ft = part_.grad_buckets[k].first_tensor;
+      if (ft >= t0 && ft < t1 && !has_sp_sum(k)) fold_local_bucket(k);
+    }
+  }
+  bool has_sp_sum(int k) const {
+    if (sc_.parallel.tp <= 1 || !cfg_.sequence_parallel) return false;
+    const Range& r = part_.grad_buckets[k].range;
+    for (const auto& [off, n] : replicated_ranges_)
+      if (std::max(off, r.begin) < std::min(off + n, r.end())) return true;
+    return false;
   }
 
   void fold_unreduced() {
@@ -912,7 +1008,7 @@ class Engine {
     std::vector<at::Tensor> views;
     for (const auto& [off, n] : replicated_ranges_) {
       const int64_t b = std::max(off, r.begin), e = std::min(off + n, r.end());
-      if (e > b) views.push_back(grad16_.narrow(0, b, e - b));
+      if (e > b) views.push_back(stage_ == 2 ? bucket_grad(in.bucket).narrow(0, b - r.begin, e - b) : grad16_.narrow(0, b, e - b));
     }
     if (views.empty()) throw std::runtime_error("Program error: bucket " + std::to_string(in.bucket) + " holds no replicated parameters");
     at::Tensor flat = at::cat(views);
@@ -924,6 +1020,7 @@ class Engine {
       v.copy_(flat.narrow(0, o, v.numel()));
       o += v.numel();
     }
+    if (stage_ == 2 && dp_ == 1) fold_local_bucket(in.bucket);  // complete: no reduction follows
   }
 
   // Which gradients this rank counts in the global norm: a TP-replicated tensor on TP rank 0
@@ -954,9 +1051,17 @@ class Engine {
     at::NoGradGuard ng;
     fold_unreduced();
     drain_host_accumulation();
+    if (bucket_bytes_ != 0) throw std::logic_error("ZeRO-2: gradient bucket buffers left at the step");
+    // Stage 2 keeps its partition in 16 bits (DeepSpeed's averaged_gradients) and steps on an fp32
+    // copy of it (freed after the step); elsewhere the accumulator is fp32 and is stepped on in place.
+    at::Tensor acc = grad_acc_;
+    if (acc.scalar_type() != at::kFloat) {
+      acc = grad_acc_.to(at::kFloat);
+      grad_acc_.zero_();
+    }
     const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
                         o_.overflow_steps.end();
-    if (inject) grad_acc_.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
+    if (inject) acc.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
     const double inv_scale = 1.0 / scaler_.scale();
     const double clip = sc_.training.gradient_clipping;
     // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else,
@@ -965,8 +1070,8 @@ class Engine {
     double norm2 = 0;
     if (clip > 0 || fp16_ || inject) {
       at::Tensor sumsq;
-      if (norm_weight_.defined()) sumsq = (grad_acc_.square() * norm_weight_.to(grad_acc_.device())).sum();
-      else sumsq = sum_of_squares(grad_acc_);
+      if (norm_weight_.defined()) sumsq = (acc.square() * norm_weight_.to(acc.device())).sum();
+      else sumsq = sum_of_squares(acc);
       sumsq = sumsq.mul_(inv_scale * inv_scale).reshape({1});
       if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) {
         if (stage_ == 0 && dpr_ != 0) sumsq.zero_();  // its data-parallel replica 0 counts the whole
@@ -982,7 +1087,7 @@ class Engine {
     if (overflow && fp16_) {
       step_skipped_ = true;
       scaler_.update(true);  // throws at the minimum scale, with DeepSpeed's message
-      grad_acc_.zero_();
+      acc.zero_();
       return;
     }
     if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
@@ -991,13 +1096,13 @@ class Engine {
       const double norm = std::sqrt(norm2);
       if (norm > clip) coef *= clip / (norm + 1e-6);
     }
-    at::Tensor g = grad_acc_;
+    at::Tensor g = acc;
     // With the optimizer offloaded, g, master and moments are host tensors: the step runs on the CPU.
     if (coef != 1.0) g.mul_(coef);
     adam_step_ += 1;
     const auto& opt = sc_.optimizer;
     const AdamWHyper hyper{opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay};
-    // Both clear grad_acc_ (g) for the next step, the host one in the AdamW pass itself.
+    // Both clear g (grad_acc_ unless copied above) for the next step, the host one in the AdamW pass itself.
     if (offload_) host_step_and_publish(g, hyper);
     else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
     if (fp16_) scaler_.update(false);
@@ -1273,7 +1378,9 @@ class Engine {
       const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
       const double cw0 = comm_wait_seconds_;
       tp_.timing = timed;
-      const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute;
+      // (Not the sequence-parallel gradient sums, which name their bucket: on the compute stream
+      // only because overlap_comm is off.)
+      const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute && in.bucket < 0;
       if (ledger_only) expect_tp(in);  // issued inside the compute (tensor_parallel.cpp)
       for (int rep = 0; rep < (ledger_only ? 0 : std::max(1, in.repeat)); ++rep) {
         switch (in.op) {
@@ -1389,6 +1496,7 @@ class Engine {
   std::map<std::pair<Op, Purpose>, int64_t> copy_calls_;
   ZeroPartition part_;
   std::vector<int> first_tensor_;
+  std::vector<std::pair<int, int>> tensor_leaf_;  // per tensor of the partition: (unit, index in p16_[unit])
   std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
   std::vector<bool> gathered_;
   at::Tensor adam_step_tensor_, staging16_;
@@ -1401,6 +1509,11 @@ class Engine {
   std::vector<int64_t> unit_group_offset_;
   std::vector<int64_t> group_shard_offset_;
   std::vector<bool> grad_dirty_;
+  // Stage 2: the bucket buffers being filled (undefined when none), the bytes of those and of the
+  // ones in flight, and their peak; direct_partition_: one rank accumulating into the partition.
+  std::vector<at::Tensor> bucket16_;
+  double bucket_bytes_ = 0, bucket_peak_ = 0;
+  bool direct_partition_ = false;
   std::vector<std::vector<bool>> keep_after_use_;
   std::vector<int> persistent_;
   std::map<int64_t, MicroBatchState> mbs_;  // by slot_key(chunk, micro-batch)
@@ -1513,7 +1626,8 @@ EngineResult Engine::run() {
   // Memory by category: the engine's own buffers, and the rest of the peak as activations and
   // temporaries.
   // With the optimizer offloaded the fp32 gradient buffer is a host one, counted with the states.
-  double params = 0, grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)),
+  // Stage 2: the 16-bit partition and the bucket buffers at their peak.
+  double params = 0, grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)) + bucket_peak_,
          optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0);
   if (stage_ <= 2) params = bytes(flat16_);
   else {
