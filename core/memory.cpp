@@ -189,7 +189,8 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   const double gb = pb;                            // gradients in the parameter dtype [Z]
   // [Z] K = 12 for mixed precision (fp32 master, momentum, variance); plain fp32 Adam keeps only
   // momentum and variance (the parameters are their own master): K = 8.
-  const double kb = mixed ? 12 : 8;
+  // Lamb keeps Adam's two moments; Lion keeps one (momentum): K = 8 mixed, 4 in fp32.
+  const double kb = sc.optimizer.kind == OptimizerKind::lion ? (mixed ? 8 : 4) : (mixed ? 12 : 8);
   const int zstage = std::clamp(z.stage, 0, 3);
 
   const StageParameters sp = stage_parameters(sc, stage);
@@ -239,7 +240,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
   if (z.offload_optimizer) {
-    mb.host += 16 * opt_elems;
+    mb.host += (sc.optimizer.kind == OptimizerKind::lion ? 12 : 16) * opt_elems;
   } else {
     mb.optimizer = kb * opt_elems;
     // 1-bit Adam [DS onebit/adam.py]: fp32 worker error (whole flat buffer) and server error

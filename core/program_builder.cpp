@@ -372,8 +372,8 @@ class Builder {
     espec.dp = zero_ == 0 ? 1 : edp;
     for (ZeroPartitionSpec* sp : {&dspec, &espec}) {
       sp->alignment = zero_ == 0 ? 1 : 2;
-      sp->reduce_bucket_size = std::max<int64_t>(1, sc_.zero.reduce_bucket_size);
-      sp->allgather_bucket_size = std::max<int64_t>(1, sc_.zero.allgather_bucket_size);
+      sp->reduce_bucket_size = std::max<int64_t>(0, sc_.zero.reduce_bucket_size);
+      sp->allgather_bucket_size = std::max<int64_t>(0, sc_.zero.allgather_bucket_size);
     }
     plan.dense = make_zero_partition(dspec);
     plan.has_expert = !espec.numel.empty();
@@ -711,7 +711,8 @@ class Builder {
       const size_t j = x.ag_emitted;
       if (j > k) {
         // DeepSpeed keeps prefetching while less than prefetch_bucket_size elements are in flight.
-        if (j > k + 1 && window + seg_elems(j) > sc_.zero.prefetch_bucket_size) break;
+        // prefetch_bucket_size 0 turns prefetching off (partitioned_param_coordinator.py).
+        if ((j > k + 1 || sc_.zero.prefetch_bucket_size == 0) && window + seg_elems(j) > sc_.zero.prefetch_bucket_size) break;
         window += seg_elems(j);
       }
       auto [lb, lc] = seg_layers(j);

@@ -171,7 +171,9 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
   line(o, "optimizer", sc.optimizer.kind == OptimizerKind::onebit_adam
                            ? "1-bit Adam (freeze_step " + std::to_string(sc.optimizer.freeze_step) + ", reporting step " +
                                  std::to_string(sc.optimizer.step) + ")"
-                           : std::string("AdamW"));
+                           : sc.optimizer.kind == OptimizerKind::lamb ? std::string("Lamb (Adam-sized states)")
+                           : sc.optimizer.kind == OptimizerKind::lion ? std::string("Lion (one momentum)")
+                                                                      : std::string("AdamW"));
 
   o << "\nMemory per GPU (peak)\n";
   for (auto& [label, v] : memory_rows(r.memory)) line(o, label, human_bytes(v));
@@ -238,7 +240,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
       {"micro_batch", sc.training.micro_batch}, {"grad_accum", sc.training.grad_accum},
       {"global_batch", sc.training.global_batch},
       {"precision", to_string(sc.precision.dtype)}, {"recompute", to_string(sc.recompute)},
-      {"optimizer", sc.optimizer.kind == OptimizerKind::onebit_adam ? "onebit_adam" : "adamw"}};
+      {"optimizer", to_string(sc.optimizer.kind)}};
   j["memory_bytes"] = {{"params", r.memory.params}, {"grads", r.memory.grads},
                        {"optimizer", r.memory.optimizer}, {"activations", r.memory.activations},
                        {"comm_buffers", r.memory.comm_buffers}, {"temporaries", r.memory.temporaries},

@@ -24,6 +24,8 @@ const char* to_string(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::adamw: return "adamw";
     case OptimizerKind::onebit_adam: return "onebit_adam";
+    case OptimizerKind::lamb: return "lamb";
+    case OptimizerKind::lion: return "lion";
   }
   return "?";
 }

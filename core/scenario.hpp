@@ -85,7 +85,9 @@ struct PrecisionSpec {
   LossScaleSpec loss_scale;          // used when dtype == fp16
 };
 
-enum class OptimizerKind { adamw, onebit_adam };
+// lamb: momentum and variance as Adam (plus a per-tensor trust ratio); lion: one momentum. Both are
+// stepped at Adam's cost (an upper bound: their steps read and write no more state than Adam's).
+enum class OptimizerKind { adamw, onebit_adam, lamb, lion };
 struct OptimizerSpec {
   OptimizerKind kind = OptimizerKind::adamw;
   double lr = 1e-4;

@@ -1,6 +1,7 @@
 #include "core/scenario_loader.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -47,7 +48,10 @@ int64_t get_int(const Entry& e, int64_t min_value = std::numeric_limits<int64_t>
   const std::string s = scalar(e, "an integer");
   // Integers may be written as 5e8 (bucket sizes are): accept any number that is integral.
   auto v = parse_quantity(s, Dimension::None);
-  if (!v || *v != static_cast<double>(static_cast<int64_t>(*v)) || std::abs(*v) > 9.0e18) type_error(e, "an integer");
+  if (!v || !std::isfinite(*v)) type_error(e, "an integer");
+  if (std::abs(*v) > 9.0e18)
+    throw ConfigError(e.origin + ": " + e.where() + ": " + s + " is out of range (integers here are at most 9e18)");
+  if (*v != static_cast<double>(static_cast<int64_t>(*v))) type_error(e, "an integer");
   const auto i = static_cast<int64_t>(*v);
   if (i < min_value)
     throw ConfigError(e.origin + ": " + e.where() + ": must be at least " + std::to_string(min_value) + ", got " + s);
@@ -56,7 +60,8 @@ int64_t get_int(const Entry& e, int64_t min_value = std::numeric_limits<int64_t>
 
 int get_int32(const Entry& e, int64_t min_value = std::numeric_limits<int>::min()) {
   const int64_t v = get_int(e, min_value);
-  if (v > std::numeric_limits<int>::max()) type_error(e, "an integer below 2^31");
+  if (v > std::numeric_limits<int>::max())
+    throw ConfigError(e.origin + ": " + e.where() + ": " + std::to_string(v) + " is out of range (at most 2147483647)");
   return static_cast<int>(v);
 }
 
@@ -216,11 +221,11 @@ const std::vector<Field>& fields() {
     add("zero.offload_optimizer", [](Scenario& s, const Entry& e) { s.zero.offload_optimizer = get_bool(e); });
     add("zero.offload_param", [](Scenario& s, const Entry& e) { s.zero.offload_param = get_bool(e); });
     add("zero.overlap_comm", [](Scenario& s, const Entry& e) { s.zero.overlap_comm = get_bool(e); });
-    add("zero.reduce_bucket_size", [](Scenario& s, const Entry& e) { s.zero.reduce_bucket_size = get_int(e, 1); });
-    add("zero.allgather_bucket_size", [](Scenario& s, const Entry& e) { s.zero.allgather_bucket_size = get_int(e, 1); });
-    add("zero.prefetch_bucket_size", [](Scenario& s, const Entry& e) { s.zero.prefetch_bucket_size = get_int(e, 1); });
+    add("zero.reduce_bucket_size", [](Scenario& s, const Entry& e) { s.zero.reduce_bucket_size = get_int(e, 0); });
+    add("zero.allgather_bucket_size", [](Scenario& s, const Entry& e) { s.zero.allgather_bucket_size = get_int(e, 0); });
+    add("zero.prefetch_bucket_size", [](Scenario& s, const Entry& e) { s.zero.prefetch_bucket_size = get_int(e, 0); });
     add("zero.param_persistence_threshold", [](Scenario& s, const Entry& e) { s.zero.param_persistence_threshold = get_int(e, 0); });
-    add("zero.max_live_parameters", [](Scenario& s, const Entry& e) { s.zero.max_live_parameters = get_int(e, 1); });
+    add("zero.max_live_parameters", [](Scenario& s, const Entry& e) { s.zero.max_live_parameters = get_int(e, 0); });
     // precision
     add("precision.dtype", [](Scenario& s, const Entry& e) { s.precision.dtype = parse_dtype(e); });
     add("precision.loss_scale.scale", [](Scenario& s, const Entry& e) {
@@ -233,8 +238,11 @@ const std::vector<Field>& fields() {
     add("precision.loss_scale.min_loss_scale", [](Scenario& s, const Entry& e) { s.precision.loss_scale.min_loss_scale = get_positive(e, D::None); });
     // optimizer
     add("optimizer.type", [](Scenario& s, const Entry& e) {
-      auto t = get_enum(e, {"adamw", "adam", "onebit_adam"});
-      s.optimizer.kind = t == "onebit_adam" ? OptimizerKind::onebit_adam : OptimizerKind::adamw;
+      auto t = get_enum(e, {"adamw", "adam", "onebit_adam", "lamb", "lion"});
+      s.optimizer.kind = t == "onebit_adam" ? OptimizerKind::onebit_adam
+                         : t == "lamb"      ? OptimizerKind::lamb
+                         : t == "lion"      ? OptimizerKind::lion
+                                            : OptimizerKind::adamw;
     });
     add("optimizer.lr", [](Scenario& s, const Entry& e) { s.optimizer.lr = get_positive(e, D::None); });
     add("optimizer.betas", [](Scenario& s, const Entry& e) {
@@ -486,6 +494,50 @@ void overlay(Layer& lower, const Layer& upper, bool replaces_batch) {
   for (const auto& [k, e] : upper) lower[k] = e;
 }
 
+// A key's value in the resolved form to_yaml writes ("2", "[0.9, 0.95]"), for comparisons.
+std::string resolved_value(const Scenario& s, const std::string& key) {
+  YAML::Node n = YAML::Load(to_yaml(s));
+  std::stringstream path(key);
+  std::string part;
+  while (std::getline(path, part, '.')) {
+    if (!n.IsMap() || !n[part]) return {};
+    n.reset(n[part]);
+  }
+  YAML::Emitter y;
+  y << YAML::Flow << n;
+  return y.c_str();
+}
+
+// One warning per scenario value (written, from a preset, or dssim's default) that the ds_config
+// replaces, saying whether the ds_config wrote it or it is DeepSpeed's default for a key left out.
+std::vector<std::string> ds_override_warnings(const Layer& merged, const DeepSpeedLayer& ds) {
+  Layer base = merged;
+  try {
+    merge_preset(base, "model", "models");
+  } catch (const ConfigError&) {
+  }
+  std::vector<std::string> out;
+  for (const auto& [k, e] : ds.settings) {
+    Scenario a, b;
+    auto it = base.find(k);
+    if (it == base.end() && k.rfind("training.", 0) == 0 && k != "training.gradient_clipping") continue;  // derived
+    try {
+      if (it != base.end()) find_field(k)->set(a, it->second);
+      find_field(k)->set(b, e);
+    } catch (const ConfigError&) {
+      continue;  // reported when the value is read
+    }
+    const std::string was = resolved_value(a, k), now = resolved_value(b, k);
+    if (was == now) continue;
+    auto d = ds.defaulted.find(k);
+    if (d != ds.defaulted.end())
+      out.push_back("ds_config: " + k + " = " + now + " replaces the scenario's " + was + " (" + d->second + ")");
+    else
+      out.push_back("ds_config key '" + e.written_as + "' = " + now + " replaces the scenario's " + k + " = " + was);
+  }
+  return out;
+}
+
 Layer parse_overrides(const std::vector<std::string>& overrides) {
   Layer layer;
   for (const auto& o : overrides) {
@@ -577,8 +629,16 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
     DeepSpeedLayer ds = load_deepspeed_config(opts.deepspeed_config);
     for (const auto& [k, e] : ds.settings)
       if (!find_field(k)) throw std::logic_error("ds_config mapping produced unknown key " + k);
-    overlay(merged, ds.settings, ds.sets_batch);
     warnings = std::move(ds.warnings);
+    for (auto& w : ds_override_warnings(merged, ds)) warnings.push_back(std::move(w));
+    // AutoTP changes tp: a data-parallel size the scenario wrote for its own tp is re-derived.
+    if (ds.settings.count("parallel.tp") && merged.count("parallel.dp") &&
+        merged.at("parallel.dp").origin != "--set") {
+      warnings.push_back("the ds_config sets parallel.tp (" + ds.settings.at("parallel.tp").written_as +
+                         "): the scenario's parallel.dp is re-derived as GPUs / (tp * pp)");
+      merged.erase("parallel.dp");
+    }
+    overlay(merged, ds.settings, ds.sets_batch);
   }
   overlay(merged, parse_overrides(opts.overrides), false);
 
@@ -596,6 +656,15 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
   s.cluster.gpu.name = gpu_preset.empty() ? "custom" : gpu_preset;
   for (const auto& [k, e] : merged) find_field(k)->set(s, e);
   if (!merged.count("model.ffn_hidden")) s.model.ffn_hidden = 4 * s.model.hidden;
+  // DeepSpeed ignores offload_param below stage 3 (only stage 3 partitions parameters).
+  if (auto it = merged.find("zero.offload_param");
+      it != merged.end() && it->second.origin == opts.deepspeed_config && !opts.deepspeed_config.empty() &&
+      s.zero.offload_param && s.zero.stage != 3) {
+    warnings.push_back("ds_config key '" + it->second.written_as + "' offloads parameters, but zero.stage is " +
+                       std::to_string(s.zero.stage) + ": DeepSpeed ignores offload_param below stage 3, and so does dssim");
+    s.zero.offload_param = false;
+    merged.erase(it);
+  }
 
   auto where = [&](const std::string& key) -> std::string {
     auto it = merged.find(key);

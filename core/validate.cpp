@@ -296,11 +296,11 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << " requires ZeRO (zero.stage 1, 2 or 3): ZeRO-Offload moves the partitioned optimizer to the host; set zero.stage";
     fail();
   }
-  c.positive("zero.reduce_bucket_size", static_cast<double>(z.reduce_bucket_size), "DeepSpeed's default is 5e8 elements");
-  c.positive("zero.allgather_bucket_size", static_cast<double>(z.allgather_bucket_size), "DeepSpeed's default is 5e8 elements");
-  c.positive("zero.prefetch_bucket_size", static_cast<double>(z.prefetch_bucket_size), "DeepSpeed's default is 5e7 elements");
+  c.non_negative("zero.reduce_bucket_size", static_cast<double>(z.reduce_bucket_size));
+  c.non_negative("zero.allgather_bucket_size", static_cast<double>(z.allgather_bucket_size));
+  c.non_negative("zero.prefetch_bucket_size", static_cast<double>(z.prefetch_bucket_size));
   c.non_negative("zero.param_persistence_threshold", static_cast<double>(z.param_persistence_threshold));
-  c.positive("zero.max_live_parameters", static_cast<double>(z.max_live_parameters), "DeepSpeed's default is 1e9 elements");
+  c.non_negative("zero.max_live_parameters", static_cast<double>(z.max_live_parameters));
 
   // --- optimizer
   if (s.optimizer.kind == OptimizerKind::onebit_adam && z.stage > 0) {

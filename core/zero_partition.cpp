@@ -10,8 +10,10 @@ int64_t Stage3Group::padded_numel() const { return shard_numel * dp; }
 ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
   if (spec.dp < 1) throw std::invalid_argument("zero partition: dp must be >= 1");
   if (spec.alignment < 1) throw std::invalid_argument("zero partition: alignment must be >= 1");
-  if (spec.reduce_bucket_size < 1 || spec.allgather_bucket_size < 1)
-    throw std::invalid_argument("zero partition: bucket sizes must be >= 1 element");
+  // 0 is legal in DeepSpeed (ge=0): reduce_bucket_size 0 flushes the bucket at every tensor,
+  // allgather_bucket_size 0 gathers each shard whole (all_gather_into_tensor ignores the size).
+  if (spec.reduce_bucket_size < 0 || spec.allgather_bucket_size < 0)
+    throw std::invalid_argument("zero partition: bucket sizes must be >= 0 elements");
   if (!spec.layer.empty() && spec.layer.size() != spec.numel.size())
     throw std::invalid_argument("zero partition: one layer per tensor");
 
@@ -58,8 +60,9 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
   else close(0, -1, 0, bucket_end);
 
   // All-gather of the updated shards, allgather_bucket_size elements of output per piece.
-  const int64_t piece = std::max<int64_t>(
-      spec.alignment, spec.allgather_bucket_size / spec.dp / spec.alignment * spec.alignment);
+  const int64_t piece = spec.allgather_bucket_size == 0
+                            ? std::max<int64_t>(1, z.shard_numel)
+                            : std::max<int64_t>(spec.alignment, spec.allgather_bucket_size / spec.dp / spec.alignment * spec.alignment);
   for (int64_t off = 0; off < z.shard_numel; off += piece)
     z.allgather_buckets.push_back({off, std::min(piece, z.shard_numel - off)});
 
