@@ -200,10 +200,12 @@ struct Mapper {
     set(key, ds_key, YAML::Node(value));
     out.defaulted[key] = why;
   }
+  // "auto" keys are listed in one warning at the end.
   void keep_auto(const std::string& key, const std::string& ds_key) {
-    warn("ds_config key '" + ds_key + "' is \"auto\" (filled by the Hugging Face launcher, not DeepSpeed): dssim keeps the scenario's " + key);
+    auto_names.push_back(ds_key + " (" + key + ")");
     auto_keys.insert(key);
   }
+  std::vector<std::string> auto_names;
   std::set<std::string> auto_keys;  // "auto": neither set nor defaulted
 
   enum class Kind { Number, Integer, Bool, Any };
@@ -375,9 +377,11 @@ struct Mapper {
     else if (bf16) set("precision.dtype", std::string(bf16_name) + ".enabled", YAML::Node("bf16"));
     else if (any_auto) {
       // "auto" keeps the scenario's dtype, whatever the other block says when it is off.
-      warn("ds_config key '" + std::string(f && f->contains("enabled") && is_auto(f->at("enabled")) ? "fp16" : bf16_name) +
-           ".enabled' is \"auto\" (filled by the Hugging Face launcher, not DeepSpeed): dssim keeps the scenario's precision.dtype");
-      auto_keys.insert("precision.dtype");
+      const bool f_auto = f && f->contains("enabled") && is_auto(f->at("enabled"));
+      const bool b_auto = b && b->contains("enabled") && is_auto(b->at("enabled"));
+      keep_auto("precision.dtype", f_auto && b_auto ? "fp16.enabled / " + std::string(bf16_name) + ".enabled"
+                                   : f_auto       ? std::string("fp16.enabled")
+                                                  : std::string(bf16_name) + ".enabled");
     } else {
       std::string why = !f && !b ? "the ds_config has neither an fp16 nor a bf16 block: DeepSpeed trains in fp32"
                                  : "neither fp16.enabled nor bf16.enabled is true: DeepSpeed trains in fp32";
@@ -578,6 +582,12 @@ struct Mapper {
     out.sets_batch = !out.batch_auto && (out.settings.count("training.global_batch") ||
                                          out.settings.count("training.micro_batch") ||
                                          out.settings.count("training.grad_accum"));
+    if (!auto_names.empty()) {
+      std::string names;
+      for (const auto& a : auto_names) names += (names.empty() ? "" : ", ") + a;
+      warn("ds_config keys left \"auto\" for the Hugging Face launcher to fill (DeepSpeed itself would take its "
+           "defaults): dssim keeps the scenario's values for " + names);
+    }
     if (!any_batch)
       warn("the ds_config names none of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps "
            "(DeepSpeed needs one; a launcher such as the Hugging Face Trainer fills them): dssim keeps the scenario's batch");

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 #include "core/deepspeed_config.hpp"
+#include "core/memory.hpp"
 #include "core/scenario_loader.hpp"
 #include "scenario_test_util.hpp"
 
@@ -227,4 +228,67 @@ TEST_CASE("ds_config errors name the DeepSpeed key", "[deepspeed]") {
   o.deepspeed_config = "/nonexistent/ds.json";
   CHECK_THAT(config_error([&] { load_scenario(scenario_data("minimal.yaml"), o); }),
              Contains("cannot open the DeepSpeed config '/nonexistent/ds.json'"));
+}
+
+TEST_CASE("ds_config read as DeepSpeed reads it (hjson)", "[deepspeed]") {
+  // comments, trailing commas and quoteless keys are accepted; lines are kept for messages
+  const auto j = parse_deepspeed_json("# top\n{\n  // c\n  stage_keys: {a: 1, b: [1, 2,],},  # x\n  \"s\": 'it\"s', /* y */\n}\n", "h.json");
+  CHECK(j.at("stage_keys").at("b").size() == 2);
+  CHECK(j.at("s") == "it\"s");
+  CHECK_THAT(config_error([] { parse_deepspeed_json("{\n \"a\": {\"b\": 1,\n \"b\": 2}}", "d.json"); }),
+             Contains("d.json: duplicate key 'a.b'") && Contains("keep one"));
+  CHECK_THAT(config_error([] { parse_deepspeed_json("{\n\"train_batch_size\": $GBS,\n}", "t.json"); }),
+             Contains("t.json: line 2: train_batch_size: unexpanded template placeholder $GBS"));
+  CHECK_THAT(config_error([] { parse_deepspeed_json("{\"zero_optimization\": {\"stage\": ZERO_STAGE}}", "t.json"); }),
+             Contains("stage: unexpanded template placeholder ZERO_STAGE"));
+  CHECK_THAT(config_error([] { parse_deepspeed_json("{\n\"fp16\": {\"enabled\": tru}}", "m.json"); }),
+             Contains("malformed JSON at line 2"));
+}
+
+TEST_CASE("ds_config \"auto\" batch keys keep the scenario's; a numeric one re-derives as --set does", "[deepspeed]") {
+  LoadOptions o;
+  o.deepspeed_config = temp_json("acc", R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                            "gradient_accumulation_steps": 2, "bf16": {"enabled": "auto"}})");
+  const Scenario s = load_scenario(shipped("gpt13b_zero2.yaml"), o);
+  LoadOptions set;
+  set.overrides = {"training.grad_accum=2"};
+  const Scenario t = load_scenario(shipped("gpt13b_zero2.yaml"), set);
+  CHECK(s.training.global_batch == t.training.global_batch);
+  CHECK(s.training.micro_batch == t.training.micro_batch);
+  CHECK(s.training.grad_accum == 2);
+  CHECK(s.precision.dtype == Dtype::bf16);
+  // one line for all the "auto" keys
+  int autos = 0;
+  for (const auto& w : s.warnings) autos += w.find("\"auto\"") != std::string::npos;
+  CHECK(autos == 1);
+}
+
+TEST_CASE("ds_config: Lion keeps one moment, Lamb Adam's two", "[deepspeed][memory]") {
+  LoadOptions o;
+  auto opt = [&](const std::string& type) {
+    o.deepspeed_config = temp_json("opt_" + type, R"({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 2,
+      "zero_optimization": {"stage": 2, "overlap_comm": true}, "bf16": {"enabled": true}, "optimizer": {"type": ")" + type + R"("}})");
+    return load_scenario(shipped("gpt13b_zero2.yaml"), o);
+  };
+  const Scenario adam = opt("AdamW"), lamb = opt("Lamb"), lion = opt("Lion");
+  CHECK(lamb.optimizer.kind == OptimizerKind::lamb);
+  CHECK(lion.optimizer.kind == OptimizerKind::lion);
+  CHECK(peak_memory(lamb).optimizer == Approx(peak_memory(adam).optimizer));
+  CHECK(peak_memory(lion).optimizer == Approx(peak_memory(adam).optimizer * 8 / 12));
+}
+
+TEST_CASE("ds_config: AutoTP sets tp and the batch is checked over the new data-parallel size", "[deepspeed]") {
+  LoadOptions o;
+  o.deepspeed_config = temp_json("autotp", R"({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
+                                               "tensor_parallel": {"autotp_size": 4}, "bf16": {"enabled": true}})");
+  const Scenario s = load_scenario(shipped("gpt13b_zero2.yaml"), o);
+  CHECK(s.parallel.tp == 4);
+  CHECK(s.parallel.dp == 16);
+  CHECK(s.training.grad_accum == 2);  // 64 / (2 * 16), not 64 / (2 * 64)
+  o.deepspeed_config = temp_json("ulysses", R"({"train_batch_size": 64, "sequence_parallel_size": 2})");
+  CHECK_THAT(config_error([&] { load_scenario(shipped("gpt13b_zero2.yaml"), o); }),
+             Contains("sequence_parallel_size: Ulysses sequence parallelism"));
+  o.deepspeed_config = temp_json("range", R"({"train_batch_size": 64, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1e20}})");
+  CHECK_THAT(config_error([&] { load_scenario(shipped("gpt13b_zero2.yaml"), o); }),
+             Contains("zero_optimization.reduce_bucket_size (zero.reduce_bucket_size): 1e+20 is out of range"));
 }

@@ -744,3 +744,38 @@ TEST_CASE("program: tied embedding sync precedes the reduction of the embedding'
     }
   }
 }
+
+TEST_CASE("program: stage3_prefetch_bucket_size 0 turns ZeRO-3 prefetching off", "[program][deepspeed]") {
+  // Gathers issued before the first forward compute: the first layer's alone without prefetching,
+  // more with DeepSpeed's default 5e7 (the whole tiny model fits in the window).
+  auto gathers_before_first_forward = [](const Program& p) {
+    int n = 0;
+    for (const Instruction& in : p.ranks[0].instructions) {
+      if (in.op == Op::Forward) break;
+      n += in.op == Op::AllGather && in.purpose == Purpose::ParamGather;
+    }
+    return n;
+  };
+  Scenario sc = tiny(1, 1, 2, 3);
+  const Program with = build_program(sc);
+  sc.zero.prefetch_bucket_size = 0;
+  const Program without = build_program(sc);
+  check_program(without);
+  CHECK(gathers_before_first_forward(without) == 1);
+  CHECK(gathers_before_first_forward(with) > 1);
+  // the same bytes are gathered either way
+  CHECK(wire(without, without.ranks[0], Purpose::ParamGather) == Approx(wire(with, with.ranks[0], Purpose::ParamGather)));
+}
+
+TEST_CASE("program: zero bucket sizes (DeepSpeed's ge=0) build without dividing by zero", "[program][deepspeed]") {
+  for (int stage : {1, 2, 3}) {
+    Scenario sc = tiny(1, 1, 2, stage);
+    sc.zero.reduce_bucket_size = 0;
+    sc.zero.allgather_bucket_size = 0;
+    sc.zero.max_live_parameters = 0;
+    const Program p = build_program(sc);
+    check_program(p);
+    const double psi = parameter_count(sc.model);
+    if (stage < 3) CHECK(wire(p, p.ranks[0], Purpose::ParamGather) == Approx(psi * 2 / 2).epsilon(0.01));
+  }
+}

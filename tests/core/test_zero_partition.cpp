@@ -71,7 +71,8 @@ void check_partition(const ZeroPartitionSpec& spec, const ZeroPartition& z) {
   int64_t ag = 0;
   for (const AllGatherBucket& a : z.allgather_buckets) {
     CHECK(a.shard_offset == ag);
-    CHECK(a.count_per_rank * spec.dp <= std::max(spec.allgather_bucket_size, spec.dp * spec.alignment));
+    if (spec.allgather_bucket_size > 0)  // 0: one piece per shard
+      CHECK(a.count_per_rank * spec.dp <= std::max(spec.allgather_bucket_size, spec.dp * spec.alignment));
     ag += a.count_per_rank;
   }
   CHECK(ag == z.shard_numel);
@@ -139,4 +140,18 @@ TEST_CASE("zero_partition: random layouts keep every invariant", "[zero_partitio
     INFO("trial " << trial);
     check_partition(spec, make_zero_partition(spec));
   }
+}
+
+TEST_CASE("zero_partition: bucket sizes 0 as DeepSpeed runs them", "[zero_partition]") {
+  ZeroPartitionSpec spec;
+  spec.numel = {10, 7, 3, 20};
+  spec.dp = 4;
+  spec.alignment = 2;
+  spec.reduce_bucket_size = 0;     // the ipg bucket is flushed at every tensor
+  spec.allgather_bucket_size = 0;  // all_gather_into_tensor gathers each shard whole
+  const ZeroPartition z = make_zero_partition(spec);
+  CHECK(z.grad_buckets.size() == 4);
+  REQUIRE(z.allgather_buckets.size() == 1);
+  CHECK(z.allgather_buckets[0].count_per_rank == z.shard_numel);
+  check_partition(spec, z);
 }
