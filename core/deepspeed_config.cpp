@@ -45,7 +45,7 @@ const std::vector<Unmodelled>& unmodelled() {
       {"gradient_accumulation_dtype", json(), "the gradient accumulation buffer dtype (memory)"},
       {"bf16.bf16_master_weights_and_grads", json(false), "bf16 master weights and gradients (memory)"},
       {"bf16.bf16_optimizer_states", json(false), "bf16 optimizer states (memory)"},
-      {"bf16.immediate_grad_update", json(), "gradient update timing (memory)"},
+      {"bf16.immediate_grad_update", json(false), "gradient update timing (memory)"},
       {"fp16.fp16_master_weights_and_grads", json(false), "fp16 master weights and gradients (memory)"},
       {"zero_optimization.sub_group_size", json(1000000000), "the optimizer step's sub-group size (memory)"},
       {"zero_optimization.stage3_max_reuse_distance", json(1000000000), "ZeRO-3 parameter reuse (memory, traffic)"},
@@ -109,7 +109,7 @@ bool looks_like_template(const std::string& s) {
 std::string template_message(const std::string& ds_key, const std::string& token) {
   return ds_key + ": unexpanded template placeholder " + token +
          ": this ds_config is a template that a launch script fills in (sed or a shell heredoc); run that "
-         "substitution, or write the number in its place";
+         "substitution, or write the value in its place";
 }
 
 struct Mapper {
@@ -436,6 +436,8 @@ struct Mapper {
           kind = "adamw";
           warn("ds_config key 'optimizer.type' is \"" + t + "\": dssim sizes it as Adam (two fp32 states per parameter, "
                "Adam's step cost), an upper bound for most optimizers");
+        } else if (looks_like_template(t)) {
+          throw ConfigError(origin + ": " + template_message(dk, "\"" + t + "\""));
         } else
           fail(dk, "unknown optimizer \"" + t + "\": DeepSpeed accepts its own (Adam, AdamW, Lamb, Lion, OneBitAdam, "
                    "Adagrad, ...) and torch.optim names (SGD, RMSprop, ...); dssim models Adam, AdamW, Lamb, Lion and OneBitAdam");

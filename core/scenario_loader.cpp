@@ -533,7 +533,7 @@ std::vector<std::string> ds_override_warnings(const Layer& merged, const DeepSpe
     if (d != ds.defaulted.end())
       out.push_back("ds_config: " + k + " = " + now + " replaces the scenario's " + was + " (" + d->second + ")");
     else
-      out.push_back("ds_config key '" + e.written_as + "' = " + now + " replaces the scenario's " + k + " = " + was);
+      out.push_back("ds_config key '" + e.written_as + "' sets " + k + " = " + now + ", replacing the scenario's " + was);
   }
   return out;
 }
