@@ -162,6 +162,7 @@ struct Mapper {
     for (const auto& u : unmodelled()) {
       if (ds_key != u.key) continue;
       if (is_auto(j) || j.is_null()) return true;
+      if (j.is_object() && j.contains("enabled") && j.at("enabled") == json(false)) return false;  // "is disabled"
       if (!u.off.is_null() && (j == u.off || (j.is_number() && u.off.is_number() && j.get<double>() == u.off.get<double>())))
         return true;  // the value dssim models
       warn("ds_config key '" + ds_key + "' = " + j.dump() + " changes " + u.what +

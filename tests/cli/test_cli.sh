@@ -111,6 +111,20 @@ PY
     run scenario scenarios/gpt175b.yaml --set parallel.dp=7 --output "$TMP/outdir/r.json"
     expect_refused "1024"
     ;;
+  ds_config_template)
+    run scenario scenarios/gpt13b_zero2.yaml --deepspeed_config tests/data/ds_configs/corpus/mds_ds_config_gpt_TEMPLATE.json --output "$TMP/outdir/r.json"
+    expect_refused "train_batch_size: unexpanded template placeholder CONFIG_BATCH_SIZE"
+    ;;
+  ds_config_duplicate_key)
+    run scenario scenarios/gpt13b_zero2.yaml --deepspeed_config tests/data/ds_configs/corpus/mds_duplicate_stage.json --output "$TMP/outdir/r.json"
+    expect_refused "duplicate key 'zero_optimization.stage'"
+    ;;
+  ds_config_accelerate_auto)
+    run scenario scenarios/gpt13b_zero2.yaml --deepspeed_config tests/data/ds_configs/corpus/lf_ds_z3_fp16_false_bf16_auto.json
+    expect_rc 0
+    expect_out "bf16 / full"
+    expect_out "global 512 = micro-batch 2 x accumulation 4 x DP 64"
+    ;;
   ds_config_warnings)
     run scenario scenarios/tiny/tiny_dp1.yaml --deepspeed_config $DS/cross_dc_comm.json
     expect_rc 0
@@ -182,6 +196,22 @@ assert again["iteration_seconds"]["measured"] == live["iteration_seconds"]["meas
 assert abs(again["iteration_seconds"]["simulated"] - live["iteration_seconds"]["simulated"]) <= 1e-12 * live["iteration_seconds"]["simulated"]
 m = rec["report"]["throughput"]["iteration_seconds"]
 assert m == live["iteration_seconds"]["measured"] and m > 0
+PY
+    ;;
+  compare_cpu_pipeline)
+    # A 3-stage pipeline measured on the CPU: rows for the compute, the pipeline messages and the
+    # bubble (the receive waits), each measured and predicted.
+    export DSSIM_CPU_THREADS=1
+    run compare scenarios/tiny/tiny_pp3.yaml --backend cpu --nproc 3 --steps 6 --record "$TMP/outdir/rec.json"
+    expect_rc 0
+    for row in forward backward send recv bubble; do expect_out "^ +$row +[0-9.]+ s +[0-9.]+ s"; done
+    run compare --measured "$TMP/outdir/rec.json" --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "compare check failed"
+import json, sys
+kinds = {k["kind"]: k for k in json.load(open(sys.argv[1]))["kinds"]}
+for k in ("forward", "backward", "send", "recv", "bubble"):
+    assert kinds[k]["measured_seconds"] > 0 and kinds[k]["simulated_seconds"] > 0, (k, kinds.get(k))
 PY
     ;;
   compare_offload_record)
