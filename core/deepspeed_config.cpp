@@ -41,8 +41,9 @@ const std::vector<Unmodelled>& unmodelled() {
   static const std::vector<Unmodelled> u = {
       {"communication_data_type", json(), "the dtype of gradient all-reduce / reduce-scatter (traffic)"},
       {"seq_parallel_communication_data_type", json(), "the dtype of sequence-parallel collectives (traffic)"},
-      {"data_types.grad_accum_dtype", json(), "the gradient accumulation buffer dtype (memory)"},
-      {"gradient_accumulation_dtype", json(), "the gradient accumulation buffer dtype (memory)"},
+      // fp32 accumulation is what dssim models for 16-bit training (core/memory.cpp)
+      {"data_types.grad_accum_dtype", json("fp32"), "the gradient accumulation buffer dtype (memory)"},
+      {"gradient_accumulation_dtype", json("fp32"), "the gradient accumulation buffer dtype (memory)"},
       {"bf16.bf16_master_weights_and_grads", json(false), "bf16 master weights and gradients (memory)"},
       {"bf16.bf16_optimizer_states", json(false), "bf16 optimizer states (memory)"},
       {"bf16.immediate_grad_update", json(false), "gradient update timing (memory)"},

@@ -61,6 +61,7 @@ TEST_CASE("ds_config corpus: every file does what its manifest says on every sce
       json expect = f.value("expect", json::object());
       json warnings = f.value("warnings", json::array());
       json once = f.value("warnings_once", json::array());
+      json none = f.value("warnings_none", json::array());
       std::string error = f.value("error", "");
       if (f.contains("per_scenario") && f.at("per_scenario").contains(sc.key())) {
         const json& p = f.at("per_scenario").at(sc.key());
@@ -101,6 +102,10 @@ TEST_CASE("ds_config corpus: every file does what its manifest says on every sce
         for (const auto& x : s.warnings) n += x.find(w.get<std::string>()) != std::string::npos;
         INFO("exactly one warning containing: " << w.get<std::string>());
         CHECK(n == 1);
+      }
+      for (const auto& w : none) {
+        INFO("no warning containing: " << w.get<std::string>());
+        CHECK_FALSE(has_warning_with(s, w.get<std::string>()));
       }
       ++checked;
     }
