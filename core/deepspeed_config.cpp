@@ -65,7 +65,6 @@ const std::vector<Unmodelled>& unmodelled() {
       {"zero_optimization.zenflow", json(), "ZenFlow offload (memory, traffic)"},
       {"zero_optimization.memory_efficient_linear", json(true), "ZeRO-3 linear memory (memory)"},
       {"zero_optimization.offload_optimizer.ratio", json(1.0), "partial optimizer offload (memory)"},
-      {"prescale_gradients", json(false), "gradient scaling before the all-reduce"},
       {"sparse_gradients", json(false), "sparse embedding gradients (traffic)"},
       {"disable_allgather", json(false), "the ZeRO all-gather (traffic)"},
       {"torch_autocast", json(), "torch.autocast mixed precision (memory, compute)"},
@@ -112,6 +111,12 @@ std::string template_message(const std::string& ds_key, const std::string& token
          ": this ds_config is a template that a launch script fills in (sed or a shell heredoc); run that "
          "substitution, or write the value in its place";
 }
+
+// Top-level keys the mapper handles itself.
+const std::set<std::string> kMapped = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "moe", "activation_checkpointing",
+    "tensor_parallel", "sequence_parallel_size", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"};
 
 struct Mapper {
   std::string origin;
@@ -547,6 +552,17 @@ struct Mapper {
 
   void run(const json& root) {
     if (!root.is_object()) throw ConfigError(origin + ": a ds_config must be a JSON object");
+    // A JSON file none of whose (several) top-level keys DeepSpeed knows is not a ds_config.
+    std::vector<std::string> unknown;
+    for (auto it = root.begin(); it != root.end(); ++it)
+      if (!kDeepSpeedTopLevel.count(it.key()) && !kMapped.count(it.key())) unknown.push_back(it.key());
+    if (unknown.size() >= 3 && unknown.size() == root.size()) {
+      std::string some;
+      for (size_t i = 0; i < std::min<size_t>(3, unknown.size()); ++i) some += (i ? ", " : "") + unknown[i];
+      throw ConfigError(origin + ": none of its " + std::to_string(unknown.size()) + " top-level keys (" + some +
+                        ", ...) is a DeepSpeed config key: is this a ds_config.json? (DeepSpeed's keys include "
+                        "train_batch_size, zero_optimization, fp16, bf16, optimizer)");
+    }
     precision(root);
     bool any_batch = false;
     for (auto it = root.begin(); it != root.end(); ++it) {

@@ -292,3 +292,17 @@ TEST_CASE("ds_config: AutoTP sets tp and the batch is checked over the new data-
   CHECK_THAT(config_error([&] { load_scenario(shipped("gpt13b_zero2.yaml"), o); }),
              Contains("zero_optimization.reduce_bucket_size (zero.reduce_bucket_size): 1e+20 is out of range"));
 }
+
+TEST_CASE("ds_config: a JSON file with no DeepSpeed key at all is not taken for one", "[deepspeed]") {
+  using json = nlohmann::json;
+  CHECK_THAT(config_error([] { map_deepspeed_config(json::parse(R"({"cat_images1": 1, "cat_images2": 2, "waterview": 3})"), "v.json"); }),
+             Contains("v.json: none of its 3 top-level keys (cat_images1, cat_images2, waterview, ...) is a DeepSpeed config key"));
+  // a config with a key or two DeepSpeed does not define is still one (warned)
+  auto few = map_deepspeed_config(json::parse(R"({"timeout": 1800})"), "t.json");
+  CHECK_FALSE(few.warnings.empty());
+  // prescale_gradients changes the arithmetic, not memory or traffic: the plain wording
+  auto pre = map_deepspeed_config(json::parse(R"({"train_batch_size": 8, "prescale_gradients": true})"), "p.json");
+  bool plain = false;
+  for (const auto& w : pre.warnings) plain |= w == "ds_config key 'prescale_gradients' has no effect in dssim; ignored";
+  CHECK(plain);
+}
