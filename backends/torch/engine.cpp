@@ -17,7 +17,9 @@
 #include <stdexcept>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
+#include "backends/torch/checkpoint.hpp"
 #include "backends/torch/gpt.hpp"
+#include "backends/torch/host_accumulator.hpp"
 #include "backends/torch/pipeline.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/grid.hpp"
@@ -67,84 +69,6 @@ ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, 
   return spec;
 }
 
-// ZeRO-Offload's host side of the gradient copies: a worker thread adds each copied layer's
-// gradients into the host fp32 buffer while the main thread goes on issuing the backward (as
-// DeepSpeed overlaps its CPU-side gradient handling); jobs run in submission order, so the sums
-// are the same as done inline. drain() waits for all and rethrows a job's error.
-class HostAccumulator {
- public:
-  ~HostAccumulator() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
-  }
-  // At most kMaxQueued jobs wait (each holds a layer's pinned copy): the submitter waits beyond.
-  static constexpr size_t kMaxQueued = 8;
-  void submit(std::function<void()> job) {
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
-      const auto t0 = Clock::now();
-      done_cv_.wait(l, [this] { return jobs_.size() < kMaxQueued; });
-      stats_.submit_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-      jobs_.push_back(std::move(job));
-    }
-    cv_.notify_all();
-  }
-  // Where the offloaded gradients' host side spends its time: the worker's busy seconds, and the
-  // seconds the submitting (GPU-driving) thread waited for room in the queue.
-  struct Stats {
-    double busy_seconds = 0, submit_wait_seconds = 0;
-  };
-  Stats take_stats() {
-    std::lock_guard<std::mutex> l(mu_);
-    return std::exchange(stats_, Stats{});
-  }
-  void drain() {
-    std::unique_lock<std::mutex> l(mu_);
-    done_cv_.wait(l, [this] { return jobs_.empty() && !busy_; });
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      cv_.wait(l, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stop_
-      auto job = std::move(jobs_.front());
-      jobs_.pop_front();
-      busy_ = true;
-      l.unlock();
-      const auto t0 = Clock::now();
-      try {
-        job();
-      } catch (...) {
-        std::lock_guard<std::mutex> g(mu_);
-        if (!error_) error_ = std::current_exception();
-      }
-      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-      l.lock();
-      stats_.busy_seconds += dt;
-      busy_ = false;
-      done_cv_.notify_all();  // drain() and a waiting submit()
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool busy_ = false, stop_ = false;
-  std::exception_ptr error_;
-  Stats stats_;
-  std::thread worker_;
-};
 
 // The process grid of the scenario, checked against the ranks that are running.
 ProcessGrid checked_grid(const Scenario& sc, const Communicator& world) {
@@ -978,24 +902,7 @@ class Engine {
   // ---- tensor parallelism (backends/torch/tensor_parallel.hpp) --------------------------------
   // The Program's TP collectives on the compute stream are issued inside the Forward / Backward
   // they follow; the engine checks that what was issued is what the Program lists.
-  void expect_tp(const Instruction& in) {
-    if (!tp_.active()) throw std::runtime_error("Program error: a tensor-parallel collective with tp = 1");
-    for (int r = 0; r < std::max(1, in.repeat); ++r) tp_expected_.push_back({in.op, in.bytes});
-  }
-  void check_tp_ledger() {
-    if (tp_expected_.empty() && tp_.ledger.empty()) return;
-    std::map<std::pair<int, long long>, int> diff;
-    for (const auto& [op, b] : tp_.ledger) diff[{int(op), std::llround(b)}] += 1;
-    for (const auto& [op, b] : tp_expected_) diff[{int(op), std::llround(b)}] -= 1;
-    for (const auto& [k, n] : diff)
-      if (n != 0)
-        throw std::runtime_error("Program/engine mismatch: the engine issued " + std::to_string(n > 0 ? n : 0) +
-                                 " and the Program lists " + std::to_string(n < 0 ? -n : 0) + " more tensor-parallel " +
-                                 to_string(Op(k.first)) + " of " + std::to_string(k.second) + " bytes (pc " +
-                                 std::to_string(pc_) + ")");
-    tp_.ledger.clear();
-    tp_expected_.clear();
-  }
+  void check_tp_ledger() { tp_.check("before instruction " + std::to_string(pc_)); }
   // Sequence parallelism: the replicated parameters' gradients (LayerNorms, row-parallel biases,
   // wpe) are partial sums over the sequence shards: summed over the TP group, bucket by bucket,
   // before the bucket's data-parallel reduction.
@@ -1163,87 +1070,29 @@ class Engine {
     else shard16_.copy_(master_);
   }
 
-  // ---- checkpoints --------------------------------------------------------------------------
-  static void write_tensor(std::ofstream& out, const at::Tensor& t) {
-    auto c = t.to(at::kCPU).contiguous();
-    int64_t n = c.numel() * int64_t(c.element_size());
-    out.write(reinterpret_cast<const char*>(&n), sizeof n);
-    out.write(static_cast<const char*>(c.data_ptr()), n);
+  // ---- checkpoints (backends/torch/checkpoint.hpp) --------------------------------------------
+  CheckpointLayout checkpoint_layout() const {
+    return {world_.size(), sc_.parallel.tp, sc_.parallel.pp, stage_, to_string(sc_.precision.dtype), part_.padded_numel};
   }
-  static void read_tensor(std::ifstream& in, at::Tensor& t, const std::string& file) {
-    int64_t n = 0;
-    in.read(reinterpret_cast<char*>(&n), sizeof n);
-    if (!in || n != t.numel() * int64_t(t.element_size()))
-      throw std::runtime_error("checkpoint " + file + ": tensor size does not match this run's layout");
-    auto c = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(false));
-    in.read(static_cast<char*>(c.data_ptr()), n);
-    if (!in) throw std::runtime_error("checkpoint " + file + " is truncated");
-    t.copy_(c);
-  }
-  std::string rank_file(const fs::path& dir) const { return (dir / ("rank" + std::to_string(rank_) + ".bin")).string(); }
 
   void save_checkpoint() {
     at::NoGradGuard ng;
     const fs::path root(o_.checkpoint_dir);
-    char name[32];
-    std::snprintf(name, sizeof name, "step-%06lld", (long long)step_);
-    const fs::path dir = root / name;
-    fs::create_directories(dir);
-    const std::string file = rank_file(dir), tmp = file + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      const auto s = scaler_.state();
-      out.write(reinterpret_cast<const char*>(&step_), sizeof step_);
-      out.write(reinterpret_cast<const char*>(&adam_step_), sizeof adam_step_);
-      out.write(reinterpret_cast<const char*>(&s), sizeof s);
-      write_tensor(out, master_);
-      write_tensor(out, exp_avg_);
-      write_tensor(out, exp_avg_sq_);
-      out.flush();
-      if (!out) throw std::runtime_error("cannot write checkpoint " + tmp);
-    }
-    fs::rename(tmp, file);
+    write_rank_checkpoint(root / checkpoint_step_dir(step_), rank_,
+                          {step_, adam_step_, scaler_.state(), master_, exp_avg_, exp_avg_sq_});
     world_.barrier();  // every shard is in place before the manifest names the step
-    if (rank_ == 0) {
-      nlohmann::json m = {{"step", step_}, {"world", world_.size()}, {"tp", sc_.parallel.tp}, {"pp", sc_.parallel.pp}, {"zero_stage", stage_},
-                          {"dtype", to_string(sc_.precision.dtype)}, {"dir", std::string(name)},
-                          {"padded_numel", part_.padded_numel}};
-      const auto mf = root / "manifest.json", mtmp = root / "manifest.json.tmp";
-      { std::ofstream out(mtmp); out << m.dump(2) << "\n"; }
-      fs::rename(mtmp, mf);
-    }
+    if (rank_ == 0) write_checkpoint_manifest(root, step_, checkpoint_layout());
     world_.barrier();
   }
 
   void load_checkpoint() {
     at::NoGradGuard ng;
-    const fs::path root(o_.checkpoint_dir), mf = root / "manifest.json";
-    std::ifstream in(mf);
-    if (!in) throw std::invalid_argument("--resume: no checkpoint manifest at " + mf.string());
-    nlohmann::json m = nlohmann::json::parse(in);
-    const int world = m.at("world"), stage = m.at("zero_stage");
-    if (world != world_.size() || stage != stage_ || m.value("tp", 1) != sc_.parallel.tp ||
-        m.value("pp", 1) != sc_.parallel.pp)
-      throw std::invalid_argument("--resume: the checkpoint in " + root.string() + " was written by " +
-                                  std::to_string(world) + " ranks with ZeRO stage " + std::to_string(stage) +
-                                  "; this run has " + std::to_string(world_.size()) + " ranks with stage " +
-                                  std::to_string(stage_) +
-                                  ". Resuming with a different world size or stage is not supported.");
-    if (sc_.parallel.pp == 1 && m.at("padded_numel").get<int64_t>() != part_.padded_numel)
-      throw std::invalid_argument("--resume: the checkpoint is of a different model");
-    const std::string file = rank_file(root / m.at("dir").get<std::string>());
-    std::ifstream f(file, std::ios::binary);
-    if (!f) throw std::runtime_error("--resume: missing shard " + file);
-    DynamicLossScaler::State s;
     int64_t step = 0;
-    f.read(reinterpret_cast<char*>(&step), sizeof step);
-    f.read(reinterpret_cast<char*>(&adam_step_), sizeof adam_step_);
-    f.read(reinterpret_cast<char*>(&s), sizeof s);
-    if (step != m.at("step").get<int64_t>()) throw std::runtime_error("--resume: shard " + file + " is of another step");
-    read_tensor(f, master_, file);
-    read_tensor(f, exp_avg_, file);
-    read_tensor(f, exp_avg_sq_, file);
-    scaler_.restore(s);
+    const fs::path dir = read_checkpoint_manifest(fs::path(o_.checkpoint_dir), checkpoint_layout(), &step);
+    RankCheckpoint c{0, 0, {}, master_, exp_avg_, exp_avg_sq_};
+    read_rank_checkpoint(dir, rank_, step, c);
+    adam_step_ = c.adam_step;
+    scaler_.restore(c.scaler);
     step_ = step;
     publish_master();
     // Every rank's 16-bit copy is whole again (stages 1/2: all-gather the shards, uncounted).
@@ -1381,7 +1230,7 @@ class Engine {
       // (Not the sequence-parallel gradient sums, which name their bucket: on the compute stream
       // only because overlap_comm is off.)
       const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute && in.bucket < 0;
-      if (ledger_only) expect_tp(in);  // issued inside the compute (tensor_parallel.cpp)
+      if (ledger_only) tp_.expect(in.op, in.bytes, in.repeat);  // issued inside the compute (tensor_parallel.cpp)
       for (int rep = 0; rep < (ledger_only ? 0 : std::max(1, in.repeat)); ++rep) {
         switch (in.op) {
           case Op::Forward: forward(in); after_use(in); break;
@@ -1480,7 +1329,6 @@ class Engine {
   StageLayout layout_;
   std::unique_ptr<Communicator> tp_comm_, dp_comm_, emb_comm_;
   TensorParallel tp_;
-  std::vector<std::pair<Op, double>> tp_expected_;  // the Program's TP collectives since the last check
   bool after_recompute_ = false;
   const bool trace_ = std::getenv("DSSIM_TRACE_PROGRAM") != nullptr;  // one line per instruction (debugging)
   double tp_comm_seconds_ = 0;  // while measuring

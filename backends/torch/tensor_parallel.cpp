@@ -1,6 +1,10 @@
 #include "backends/torch/tensor_parallel.hpp"
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace dssim::tb {
 
@@ -30,6 +34,25 @@ at::Tensor timed(TensorParallel& tp, Op op, F&& f) {
 at::Tensor seq_major(const at::Tensor& x) { return x.transpose(0, 1).contiguous(); }
 at::Tensor batch_major(const at::Tensor& x) { return x.transpose(0, 1).contiguous(); }
 }  // namespace
+
+void TensorParallel::expect(Op op, double bytes, int repeat) {
+  if (!active()) throw std::runtime_error("Program error: a tensor-parallel collective with tp = 1");
+  for (int r = 0; r < std::max(1, repeat); ++r) expected.push_back({op, bytes});
+}
+
+void TensorParallel::check(const std::string& where) {
+  if (expected.empty() && ledger.empty()) return;
+  std::map<std::pair<int, long long>, int> diff;
+  for (const auto& [op, b] : ledger) diff[{int(op), std::llround(b)}] += 1;
+  for (const auto& [op, b] : expected) diff[{int(op), std::llround(b)}] -= 1;
+  for (const auto& [k, n] : diff)
+    if (n != 0)
+      throw std::runtime_error("Program/engine mismatch: the engine issued " + std::to_string(std::abs(n)) + " " +
+                               (n > 0 ? "more" : "fewer") + " tensor-parallel " + to_string(Op(k.first)) + " of " +
+                               std::to_string(k.second) + " bytes than the Program lists (" + where + ")");
+  ledger.clear();
+  expected.clear();
+}
 
 at::Tensor TensorParallel::all_reduce(const at::Tensor& x) {
   return timed(*this, Op::AllReduce, [&] {

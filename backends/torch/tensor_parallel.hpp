@@ -32,8 +32,12 @@ struct TensorParallel {
   // Communication dtype of activations (the run's 16-bit or fp32 dtype). On CPUs fp16 is computed
   // in fp32: activations are cast to it for the wire so that the bytes are the Program's.
   at::ScalarType wire_dtype = at::kFloat;
-  // What was issued since the engine last looked: (op, size bytes).
-  std::vector<std::pair<Op, double>> ledger;
+  // What was issued since the engine last looked, and what the Program lists for the same span:
+  // (op, size bytes). The engine expect()s the TP instructions that follow a compute instruction and
+  // check()s at the next one that the two are the same multiset (a mismatch throws, naming `where`).
+  std::vector<std::pair<Op, double>> ledger, expected;
+  void expect(Op op, double bytes, int repeat);
+  void check(const std::string& where);
   // Seconds spent in TP collectives (issue + completion), by op, while `timing`; `sync` waits for
   // the device before and after each, so that the time is the collective's.
   bool timing = false;
