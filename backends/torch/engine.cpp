@@ -1057,6 +1057,9 @@ class Engine {
       check_bytes(in, double(grp.shard_numel) * elt16());
       staged_[g] = shard16_.narrow(0, group_shard_offset_[g], grp.shard_numel).to(dev_);
       count_copy(Op::CopyH2D, Purpose::OffloadParam, double(grp.shard_numel) * elt16());
+      // A group no all-gather refills (one rank: no data-parallel group) stays resident: the
+      // fetched shard, updated by the last step, refills it here (it was used stale before).
+      if (std::find(persistent_.begin(), persistent_.end(), g) != persistent_.end()) gather_group(g, nullptr);
       return;
     }
     // The updated shard came back to the device inside the host step (host_step_and_publish).
