@@ -28,6 +28,7 @@ const std::set<std::string> kDeepSpeedTopLevel = {
     "communication_data_type", "seq_parallel_communication_data_type", "data_types", "zero_force_ds_cpu_optimizer",
     "fp16_master_weights_and_gradients", "dataloader_drop_last", "memory_breakdown", "bf16_optimizer",
     "checkpoint_parallel_write_pipeline", "tensor_parallel", "sequence_parallel_size", "pld", "mup",
+    "gradient_allreduce_op", "log_level", "managed_gradient_accumulation",
 };
 
 // Keys that change memory or communication in DeepSpeed but not in dssim, with the value that
