@@ -56,9 +56,17 @@ double activation_bytes_per_layer(double s, double b, double h, double a, int t,
 // MoE layer [DS]: the expert MLP keeps its inputs for the routed tokens of this GPU,
 // R = s b top_k capacity / t, each 2h (up input) + 4 ffn (GeLU and down inputs), plus fp32 gate
 // probabilities s b E (on s b / t tokens with SP).
+// Llama-shaped layers (the same accounting, term by term; kv = kv_heads * head_dim):
+//   GQA: Q 2h, K 2kv, V 2kv, projection input 2h -> (4h + 4kv) s b / t (= 8 sbh at kv = h); rotary
+//     keeps nothing more (q, k are kept rotated; its backward needs only the cos / sin tables);
+//   SwiGLU: the gate and up outputs (2 ffn each, what silu(g) * u's backward reads) and the down
+//     input (2 ffn) -> 6 ffn s b / t (GeLU: 4 ffn); MoE experts likewise 2h + 6 ffn per routed token;
+//   RMSNorm: its input (as LayerNorm's) and one fp32 1/rms per token (4 bytes, LayerNorm 8).
 double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
                                   bool sequence_parallel, Recompute r, bool moe_layer, Dtype dtype) {
   const double s = m.seq_len, b = micro_batch, h = m.hidden, a = m.heads, f = ffn_hidden_of(m);
+  const double kv = kv_width(m);
+  const double mlp_kept = 2.0 * (mlp_matrices(m) - 1) + 2;  // GeLU 4 ffn, SwiGLU 6 ffn (x sc)
   const double t = std::max(1, tp);
   const double sc = bytes_of(dtype) / 2.0;
   const double sbh = s * b * h;
@@ -67,13 +75,14 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   // Dropout masks (1 byte): after the attention projection and after the MLP. LayerNorm keeps its
   // fp32 mean and 1/std per token (2 LayerNorms x 8 bytes), which Korthikanti leaves out.
   const double masks = m.has_dropout() ? 2 : 0;
-  const double replicated = (8 * sc + masks) * sbh / sp_div + 16 * s * b / sp_div;
-  double split = 8 * sc * sbh / t;
+  const double norm_stats = m.rmsnorm ? 8 : 16;  // fp32 bytes per token, both norms
+  const double replicated = (8 * sc + masks) * sbh / sp_div + norm_stats * s * b / sp_div;
+  double split = 4 * sc * s * b * (h + kv) / t;
   if (moe_layer && m.is_moe()) {
     const double routed = s * b * m.top_k * m.capacity_factor / t;
-    split += routed * (2 * h + 4 * f) * sc + 4.0 * s * b * m.experts / sp_div;
+    split += routed * (2 * h + mlp_kept * f) * sc + 4.0 * s * b * m.experts / sp_div;
   } else {
-    split += 4 * sc * s * b * f / t;
+    split += mlp_kept * sc * s * b * f / t;
   }
   // Flash attention keeps only its output (counted above) and the fp32 row log-sum-exp. Unfused:
   // the softmax output, and with dropout its mask (1 byte) and the dropped-out probabilities.
@@ -141,31 +150,45 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
     // row-parallel biases are replicated. We divide the whole layer by t (error O(h) per layer).
     const double attention_and_norms = dense_layer_params(m) - expert_mlp_params(m);
     p.dense += attention_and_norms / t;
-    module(3 * h * h / t + 3 * h / t);
-    module(h * h / t + h);
-    for (double e : {h, h, h, h, 3 * h / t, h}) small(e);  // 2 LayerNorms, QKV and proj biases
+    const double qkv = h + 2 * kv_width(m), bias = m.bias ? 1 : 0;  // qkv = 3h without GQA
+    module(qkv * h / t + bias * qkv / t);
+    module(h * h / t + bias * h);
+    for (int n = 0; n < 2; ++n) {  // 2 norms: gain (+ bias for LayerNorm)
+      small(h);
+      if (!m.rmsnorm) small(h);
+    }
+    if (m.bias) small(qkv / t), small(h);  // QKV and proj biases
+    const int up_biases = mlp_matrices(m) - 1;  // up (+ gate)
     if (moe) {
       // experts are not TP-split (DeepSpeed's default); the gate is replicated in the TP group
       p.dense += h * m.experts;
       p.expert += std::ceil(m.experts / ep) * expert_mlp_params(m);
       module(h * m.experts);
-      module(h * f + f);
-      for (int e = 0; e < std::ceil(m.experts / ep); ++e) small(f), small(h);
+      module(h * f + bias * f);
+      if (m.bias)
+        for (int e = 0; e < std::ceil(m.experts / ep); ++e) {
+          for (int u = 0; u < up_biases; ++u) small(f);
+          small(h);
+        }
     } else {
       p.dense += expert_mlp_params(m) / t;
-      module(h * f / t + f / t);
-      small(f / t), small(h);
+      module(h * f / t + bias * f / t);
+      if (m.bias) {
+        for (int u = 0; u < up_biases; ++u) small(f / t);
+        small(h);
+      }
     }
   }
   const bool first = stage == 0, last = stage == pp - 1;
   if (first) {
-    p.dense += v * h / t + s * h;  // vocab-parallel word embedding + positions
+    p.dense += v * h / t + (m.rotary ? 0 : s * h);  // vocab-parallel word embedding + positions
     module(v * h / t);
-    module(s * h);
+    if (!m.rotary) module(s * h);
   }
   if (last) {
-    p.dense += 2 * h;  // final LayerNorm
-    small(h), small(h);
+    p.dense += norm_params(m);  // final LayerNorm / RMSNorm
+    small(h);
+    if (!m.rmsnorm) small(h);
     // Untied output layer, or Megatron's copy of the tied word embedding on the last stage.
     if (!m.tied_embeddings || (pp > 1 && !first)) {
       p.dense += v * h / t;

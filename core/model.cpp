@@ -6,6 +6,12 @@
 //       arXiv:2205.05198: op list of a layer, selective recompute = the attention core.
 //  [DS] DeepSpeed-MoE (Rajbhandari et al. 2022, arXiv:2201.05596) and deepspeed/moe/sharded_moe.py:
 //       top-k gating, capacity = capacity_factor * tokens * k / experts, tokens dropped across TP.
+//  [L]  Llama-shaped layers: Touvron et al. 2023 (arXiv:2302.13971, section 2.2: RMSNorm pre-
+//       normalisation, SwiGLU, rotary embeddings, no biases), Shazeer 2020 (arXiv:2002.05202:
+//       FFN_SwiGLU = (Swish(x W) * x V) W2, three matrices), Ainslie et al. 2023 (arXiv:2305.13245:
+//       grouped-query attention, kv_heads key/value heads shared by heads / kv_heads queries), Su
+//       et al. 2021 (arXiv:2104.09864: rotary positions, no position table), Llama Team 2024
+//       (arXiv:2407.21783, Table 3: the Llama 3 shapes).
 #include "core/model.hpp"
 
 #include <algorithm>
@@ -14,6 +20,13 @@
 namespace dssim {
 
 int ffn_hidden_of(const ModelSpec& m) { return m.ffn_hidden > 0 ? m.ffn_hidden : 4 * m.hidden; }
+int kv_heads_of(const ModelSpec& m) { return m.kv_heads_or_heads(); }
+// [L] GQA: k and v each project to kv_heads heads of head_dim = h / heads.
+double kv_width(const ModelSpec& m) {
+  if (m.heads <= 0) return m.hidden;
+  return static_cast<double>(kv_heads_of(m)) * (m.hidden / m.heads);
+}
+int mlp_matrices(const ModelSpec& m) { return m.swiglu ? 3 : 2; }
 
 bool is_moe_layer(const ModelSpec& m, int layer) {
   if (!m.is_moe()) return false;
@@ -23,20 +36,29 @@ bool is_moe_layer(const ModelSpec& m, int layer) {
 
 // Generalised Megatron eq. 2 per layer: attention QKV (3h^2 + 3h) + projection (h^2 + h) = 4h^2 + 4h;
 // MLP up (h ffn + ffn) + down (ffn h + h) = 2 h ffn + ffn + h; two LayerNorms (gain + bias) = 4h.
-// ffn = 4h gives 12h^2 + 13h.
+// ffn = 4h gives 12h^2 + 13h. [L] With kv = kv_width: q, o h^2 each, k, v h kv each (+ biases
+// h + 2 kv + h when model.bias); SwiGLU 3 h ffn (+ 2 ffn + h); RMSNorm h per norm.
 double dense_layer_params(const ModelSpec& m) {
-  const double h = m.hidden;
-  return 4 * h * h + 4 * h + expert_mlp_params(m) + 4 * h;
+  return attention_params(m) + expert_mlp_params(m) + 2 * norm_params(m);
 }
+
+double attention_params(const ModelSpec& m) {
+  const double h = m.hidden, kv = kv_width(m);
+  return 2 * h * h + 2 * h * kv + (m.bias ? 2 * h + 2 * kv : 0.0);
+}
+
+double norm_params(const ModelSpec& m) { return m.rmsnorm ? m.hidden : 2.0 * m.hidden; }
 
 double expert_mlp_params(const ModelSpec& m) {
   const double h = m.hidden, f = ffn_hidden_of(m);
-  return 2 * h * f + f + h;
+  const int mats = mlp_matrices(m);
+  return mats * h * f + (m.bias ? (mats - 1) * f + h : 0.0);
 }
 
-// Word embedding V x h plus learned positions s x h [M eq. 2 term (V+s)/(12lh)].
+// Word embedding V x h plus learned positions s x h [M eq. 2 term (V+s)/(12lh)]; rotary positions
+// have no table [L].
 double embedding_params(const ModelSpec& m) {
-  return (static_cast<double>(m.vocab) + m.seq_len) * m.hidden;
+  return (static_cast<double>(m.vocab) + (m.rotary ? 0 : m.seq_len)) * m.hidden;
 }
 
 // [M] eq. 2 = 12 l h^2 + 13 l h + (V + s) h; plus the final LayerNorm (2h, which eq. 2 omits),
@@ -44,11 +66,18 @@ double embedding_params(const ModelSpec& m) {
 // experts' MLPs and the gate (h x experts, no bias) [DS].
 double parameter_count(const ModelSpec& m) {
   const double h = m.hidden;
-  double p = m.layers * dense_layer_params(m) + embedding_params(m) + 2 * h;
+  double p = m.layers * dense_layer_params(m) + embedding_params(m) + norm_params(m);
   if (!m.tied_embeddings) p += static_cast<double>(m.vocab) * h;
   if (m.is_moe())
     p += m.moe_layers() * ((m.experts - 1) * expert_mlp_params(m) + h * m.experts);
   return p;
+}
+
+// Parameters one token passes through: each MoE layer's top_k experts instead of all of them
+// (Mixtral's "active parameters", Jiang et al. 2024 section 2).
+double active_parameter_count(const ModelSpec& m) {
+  if (!m.is_moe()) return parameter_count(m);
+  return parameter_count(m) - m.moe_layers() * (m.experts - m.top_k) * expert_mlp_params(m);
 }
 
 namespace {
@@ -56,10 +85,13 @@ namespace {
 // Forward GEMM FLOPs of one layer for one sequence; `expert_token_factor` multiplies the MLP work of
 // a MoE layer (top_k for model FLOPs, top_k * capacity_factor for what the GPUs execute).
 double layer_flops(const ModelSpec& m, bool moe_layer, double expert_token_factor) {
-  const double s = m.seq_len, h = m.hidden, f = ffn_hidden_of(m);
-  const double attention_linear = 2 * s * (3 * h * h + h * h);  // QKV + projection
-  const double attention_core = 2 * 2 * s * s * h;              // QK^T and attention over V
-  double mlp = 2 * s * 2 * h * f;
+  const double s = m.seq_len, h = m.hidden, f = ffn_hidden_of(m), kv = kv_width(m);
+  // QKV + projection: q and o h x h, k and v h x kv [L] (3h^2 + h^2 without GQA).
+  const double attention_linear = 2 * s * (2 * h * h + 2 * h * kv);
+  // QK^T and attention over V: every query head against its group's k / v, so GQA leaves them
+  // at 2 s^2 h each.
+  const double attention_core = 2 * 2 * s * s * h;
+  double mlp = 2 * s * mlp_matrices(m) * h * f;  // up, down (+ gate with SwiGLU)
   if (moe_layer) mlp = expert_token_factor * mlp + 2 * s * h * m.experts;  // experts + gate
   return attention_linear + attention_core + mlp;
 }
@@ -112,6 +144,9 @@ namespace {
 constexpr double kLayerNormFlopsPerElement = 8;  // mean, variance, normalise, gain, bias
 constexpr double kSoftmaxFlopsPerElement = 5;    // max, subtract, exp, sum, divide
 constexpr double kGeluFlopsPerElement = 8;       // tanh approximation
+constexpr double kSwigluFlopsPerElement = 6;     // silu(g) = g / (1 + exp(-g)), times u
+constexpr double kRmsNormFlopsPerElement = 5;    // square, sum, scale by 1/rms, gain
+constexpr double kRotaryFlopsPerElement = 3;     // x cos + rotate_half(x) sin
 constexpr double kMaskBytesPerElement = 1;       // dropout masks are kept as bytes [K section 4.1]
 
 LayerOp gemm_op(const std::string& name, double batch, double m, double n, double k, double e,
@@ -142,6 +177,30 @@ LayerOp layernorm_op(const std::string& name, double tokens, double h, double e)
   // PyTorch's backward: dx from (dy, x) in one kernel, then dgain / dbias re-reading dy and x.
   op.backward_bytes = 5 * e * tokens * h;
   op.backward_kernel = "layer_norm_backward";
+  return op;
+}
+
+// The model's norm: LayerNorm ("layernorm_<suffix>"), or RMSNorm ("rmsnorm_<suffix>": the gain
+// only, no mean; the same bytes per element forward and backward, priced by the layer_norm rows).
+LayerOp norm_op(const ModelSpec& m, const std::string& prefix, const std::string& suffix, double tokens,
+                double h, double e) {
+  if (!m.rmsnorm) return layernorm_op(prefix + "layernorm" + suffix, tokens, h, e);
+  LayerOp op = elementwise_op(prefix + "rmsnorm" + suffix, tokens * h, kRmsNormFlopsPerElement, 2 * e);
+  op.memory_bytes += h * e;  // gain
+  op.kernel = "layer_norm";
+  op.backward_bytes = 5 * e * tokens * h;
+  op.backward_kernel = "layer_norm_backward";
+  return op;
+}
+
+// SwiGLU's elementwise silu(gate) * up over `elements` outputs [L]: reads both GEMM outputs, writes
+// one; backward reads dy, gate, up and writes dgate, dup. Priced by the gelu rows (an activation
+// kernel of the same kind).
+LayerOp swiglu_op(double elements, double e) {
+  LayerOp op = elementwise_op("swiglu", elements, kSwigluFlopsPerElement, 3 * e);
+  op.kernel = "gelu";
+  op.backward_bytes = 5 * e * elements;
+  op.backward_kernel = "gelu_backward";
   return op;
 }
 
@@ -187,10 +246,21 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   const double head_dim = h / heads;
   const double local_heads = heads / t;
   const double score_elements = b * local_heads * s * s;
+  const double kv = kv_width(m);
+  const double qkv_width = h + 2 * kv;  // 3h without GQA
 
   std::vector<LayerOp> ops;
-  ops.push_back(layernorm_op("layernorm_1", norm_tokens, h, e));
-  ops.push_back(gemm_op("qkv", 1, tokens, 3 * h / t, h, e));
+  ops.push_back(norm_op(m, "", "_1", norm_tokens, h, e));
+  ops.push_back(gemm_op("qkv", 1, tokens, qkv_width / t, h, e));
+  if (m.rotary) {
+    // [L] rotary embedding applied to q and k (h + kv wide per token, TP-split) with the s x
+    // head_dim cos / sin tables; backward rotates the gradients back (the same bytes).
+    const double elements = tokens * (h + kv) / t;
+    LayerOp rope = elementwise_op("rotary", elements, kRotaryFlopsPerElement, 2 * e);
+    rope.memory_bytes += 2 * s * head_dim * e;
+    rope.backward_bytes = rope.memory_bytes;
+    ops.push_back(rope);
+  }
   ops.push_back(gemm_op("attention_scores", b * local_heads, s, s, head_dim, e, true));
   ops.push_back(elementwise_op("softmax", score_elements, kSoftmaxFlopsPerElement, 2 * e, true));
   if (m.has_dropout())
@@ -202,20 +272,27 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   // backward (h/t wide), dq, dk, dv stacked into the QKV gradient and that permuted gradient made
   // contiguous for the QKV linear (3h/t wide each). Megatron's unfused attention: dq, dk, dv
   // concatenated into the QKV gradient (3h/t) and the context gradient permuted back (h/t).
-  const double layout_width = m.flash_attention ? h + 2 * 3 * h : 3 * h + h;
+  const double layout_width = m.flash_attention ? h + 2 * qkv_width : qkv_width + h;
   LayerOp layout = elementwise_op("attention_layout_copies", tokens * layout_width / t, 0, 2 * e);
   layout.kernel = "attention_layout_copies";  // strided copies: their own profile row
   layout.backward_only = true;
   ops.push_back(layout);
   ops.push_back(dropout_residual_op("dropout_residual_1", norm_tokens, h, e, m.has_dropout()));
-  ops.push_back(layernorm_op("layernorm_2", norm_tokens, h, e));
+  ops.push_back(norm_op(m, "", "_2", norm_tokens, h, e));
 
   if (!shape.moe || !m.is_moe()) {
-    ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
-    LayerOp gelu = elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e);
-    gelu.backward_bytes = 3 * e * tokens * f / t;  // read dy and x, write dx
-    gelu.backward_kernel = "gelu_backward";
-    ops.push_back(gelu);
+    if (m.swiglu) {
+      // [L] gate and up projections (two column-parallel GEMMs, as Llama's w1 / w3), silu(gate) * up.
+      ops.push_back(gemm_op("mlp_gate", 1, tokens, f / t, h, e));
+      ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
+      ops.push_back(swiglu_op(tokens * f / t, e));
+    } else {
+      ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
+      LayerOp gelu = elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e);
+      gelu.backward_bytes = 3 * e * tokens * f / t;  // read dy and x, write dx
+      gelu.backward_kernel = "gelu_backward";
+      ops.push_back(gelu);
+    }
     ops.push_back(gemm_op("mlp_down", 1, tokens, h, f / t, e));
   } else {
     // [DS] The gate is replicated in the TP group; DeepSpeed drops the TP-duplicated tokens before
@@ -231,18 +308,24 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     ops.push_back(elementwise_op("moe_gate_softmax", norm_tokens * experts, kSoftmaxFlopsPerElement,
                                  2 * e));
     ops.push_back(elementwise_op("moe_dispatch", routed_tokens * h, 0, 2 * e));  // scatter to capacity slots
-    ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
-    LayerOp gelu = elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e);
-    gelu.backward_bytes = 3 * e * routed_tokens * f;
-    gelu.backward_kernel = "gelu_backward";
-    ops.push_back(gelu);
+    if (m.swiglu) {
+      ops.push_back(gemm_op("mlp_gate", local_experts, tokens_per_expert, f, h, e));
+      ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
+      ops.push_back(swiglu_op(routed_tokens * f, e));
+    } else {
+      ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
+      LayerOp gelu = elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e);
+      gelu.backward_bytes = 3 * e * routed_tokens * f;
+      gelu.backward_kernel = "gelu_backward";
+      ops.push_back(gelu);
+    }
     ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
     ops.push_back(elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e));  // weighted gather back
   }
   ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e, m.has_dropout()));
-  // Bias gradients of qkv (3h/t), the projection (h), mlp_up (f/t), mlp_down (h); the layer's
-  // weight gradients into the buffer.
-  ops.push_back(bias_grads_op(tokens, 3 * h / t + h + f / t + h, e));
+  // Bias gradients of qkv (3h/t), the projection (h), mlp_up (f/t; + mlp_gate f/t), mlp_down (h),
+  // when the linears have biases; the layer's weight gradients into the buffer.
+  if (m.bias) ops.push_back(bias_grads_op(tokens, qkv_width / t + h + (mlp_matrices(m) - 1) * f / t + h, e));
   ops.push_back(grad_accumulate_op(dense_layer_params(m) / t, e));
   for (auto& op : ops) op.in_layer = true;
   return ops;
@@ -257,17 +340,19 @@ std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape&
   const double tokens = b * s;
   const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
   std::vector<LayerOp> ops;
-  // read token ids (8 B), the gathered word rows and position rows, write the sum
-  LayerOp lookup = elementwise_op("embedding_lookup", tokens * h, 1, 3 * e);
+  // read token ids (8 B), the gathered word rows and position rows, write the sum (rotary: no
+  // position rows, the word rows copied out)
+  const double tables = m.rotary ? 1 : 2;
+  LayerOp lookup = elementwise_op("embedding_lookup", tokens * h, 1, (tables + 1) * e);
   lookup.memory_bytes += tokens * 8;
   // Backward: the incoming gradient read for the word and position tables, the word table's
   // dense gradient zeroed and scattered into (PyTorch's embedding_dense_backward).
-  lookup.backward_bytes = 2 * e * tokens * h + 2 * e * m.vocab / t * h;
+  lookup.backward_bytes = tables * e * tokens * h + 2 * e * m.vocab / t * h;
   lookup.backward_kernel = "embedding_backward";
   ops.push_back(lookup);
   if (m.has_dropout())
     ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
-  ops.push_back(grad_accumulate_op(m.vocab / t * h + s * h, e));  // word and position tables
+  ops.push_back(grad_accumulate_op(m.vocab / t * h + (m.rotary ? 0 : s * h), e));  // word and position tables
   return ops;
 }
 
@@ -280,7 +365,7 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   const double tokens = b * s;
   const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
   std::vector<LayerOp> ops;
-  ops.push_back(layernorm_op("final_layernorm", norm_tokens, h, e));
+  ops.push_back(norm_op(m, "final_", "", norm_tokens, h, e));
   ops.push_back(gemm_op("logits", 1, tokens, v / t, h, e));
   // PyTorch's cross-entropy on fp32 logits (dssim's engine): the cast (read 16-bit, write fp32),
   // log-softmax (two reads for max and sum, one write); backward: the nll gradient zero-filled,
@@ -291,7 +376,7 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   ce.backward_kernel = "cross_entropy_backward";
   ops.push_back(ce);
   // The tied / untied output embedding's and final LayerNorm's weight gradients into the buffer.
-  ops.push_back(grad_accumulate_op(v / t * h + 2 * h, e));
+  ops.push_back(grad_accumulate_op(v / t * h + norm_params(m), e));
   return ops;
 }
 

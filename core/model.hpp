@@ -9,19 +9,27 @@
 namespace dssim {
 
 // Megatron eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)); MoE layers add (experts-1) MLPs
-// plus the gate.
+// plus the gate. Llama-shaped layers (ModelSpec kv_heads, swiglu, rmsnorm, rotary, bias) generalise
+// each term; docs/scenario-format.md "Llama-shaped models" gives the formulas.
 double parameter_count(const ModelSpec& m);
+double active_parameter_count(const ModelSpec& m);    // MoE: top_k experts per MoE layer (= total for dense)
 double dense_layer_params(const ModelSpec& m);        // 12h^2 + 13h (attention + MLP + 2 norms)
-double expert_mlp_params(const ModelSpec& m);         // one expert's MLP: 2 h ffn + ffn + h
-double embedding_params(const ModelSpec& m);          // (V + s) h
+double attention_params(const ModelSpec& m);          // q, k, v, o: 2h^2 + 2 h kv_width (+ 2h + 2 kv_width biases)
+double norm_params(const ModelSpec& m);               // one norm: 2h (LayerNorm), h (RMSNorm)
+double expert_mlp_params(const ModelSpec& m);         // one expert's MLP: 2 h ffn + ffn + h (SwiGLU: 3 h ffn + 2 ffn + h; no biases: weights only)
+double embedding_params(const ModelSpec& m);          // (V + s) h; rotary: V h
 int ffn_hidden_of(const ModelSpec& m);                // ffn_hidden, or 4h when 0
+int kv_heads_of(const ModelSpec& m);                  // kv_heads, or heads when 0
+double kv_width(const ModelSpec& m);                  // kv_heads * head_dim (= h without GQA)
+int mlp_matrices(const ModelSpec& m);                 // 2 (GELU: up, down), 3 (SwiGLU: gate, up, down)
 bool is_moe_layer(const ModelSpec& m, int layer);     // 0-based; every moe_every-th layer (last of each group)
 // Per-sequence forward FLOPs (2 per multiply-add) of one layer / of the LM head.
 double layer_forward_flops_per_sequence(const ModelSpec& m, bool moe_layer);
 double head_forward_flops_per_sequence(const ModelSpec& m);
 
 // FLOPs of one iteration of `global_batch` sequences (all GPUs together).
-// Model FLOPs: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (fwd + bwd = 3 x forward).
+// Model FLOPs: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (fwd + bwd = 3 x forward); in general
+// 3 B (l (2 s (2h^2 + 2 h kv_width) + 4 s^2 h + 2 s mlp_matrices h ffn) + 2 s h V) (GEMMs only).
 double model_flops_per_iteration(const ModelSpec& m, double global_batch);
 // Hardware FLOPs: what the GPUs execute, recompute included (full recompute: one more forward,
 // Megatron's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); selective: the attention core again).
@@ -69,7 +77,9 @@ struct LayerShape {
 // Forward ops of one transformer layer on one GPU (the layer's TP shard), in execution order:
 // layernorm_1, qkv, attention_scores*, softmax*, attention_dropout*, attention_over_v*,
 // attention_proj, dropout_residual_1, layernorm_2, mlp_up, gelu, mlp_down, dropout_residual_2
-// (* = attention_core). A MoE layer (shape.moe) replaces the MLP by moe_gate, moe_gate_softmax,
+// (* = attention_core). Llama-shaped: rmsnorm_1 / rmsnorm_2 for the norms, qkv (h + 2 kv_width)/t
+// wide, rotary after qkv (on q and k), mlp_gate + mlp_up + swiglu in place of mlp_up + gelu, no
+// bias_grads without biases. A MoE layer (shape.moe) replaces the MLP by moe_gate, moe_gate_softmax,
 // moe_dispatch, mlp_up and mlp_down batched over the ep-local experts (the GPU's b s / t tokens x
 // top_k x capacity_factor, DeepSpeed drops TP-duplicate tokens), gelu, moe_combine. The all-to-alls
 // and TP collectives are not ops: the schedule places them. Backward: backward_cost().

@@ -222,28 +222,43 @@ class Builder {
  private:
   // ---- planning (per stage) ----
 
+  // A layer's tensors in module order. Llama-shaped (model.cpp [L]): qkv is (h + 2 kv) x h with
+  // GQA, RMSNorm has its gain only, no bias tensors without model.bias, SwiGLU adds the gate
+  // projection (f x h) before up. Their sum is dense_layer_params / t (experts: expert_mlp_params).
   std::vector<Tensor> layer_tensors(int layer) const {
     const int64_t h = m_.hidden, f = ffn_hidden_of(m_), t = t_;
-    std::vector<Tensor> ts = {
-        {h, layer, false, true}, {h, layer, false, true},          // layernorm_1
-        {3 * h * h / t, layer, false}, {3 * h / t, layer, false},  // qkv
-        {h * h / t, layer, false}, {h, layer, false, true},        // attention projection
-        {h, layer, false, true}, {h, layer, false, true},          // layernorm_2
+    const int64_t qkv = h + 2 * static_cast<int64_t>(kv_width(m_));  // 3h without GQA
+    const bool bias = m_.bias;
+    std::vector<Tensor> ts;
+    auto norm = [&] {
+      ts.push_back({h, layer, false, true});                     // gain
+      if (!m_.rmsnorm) ts.push_back({h, layer, false, true});    // bias (LayerNorm)
     };
+    norm();                                                      // layernorm_1
+    ts.push_back({qkv * h / t, layer, false});                   // qkv
+    if (bias) ts.push_back({qkv / t, layer, false});
+    ts.push_back({h * h / t, layer, false});                     // attention projection
+    if (bias) ts.push_back({h, layer, false, true});
+    norm();                                                      // layernorm_2
+    const int up_mats = mlp_matrices(m_) - 1;                    // up (+ gate with SwiGLU)
     if (is_moe_layer(m_, layer)) {
       ts.push_back({h * m_.experts, layer, false});  // gate (replicated)
       const int local = std::max(1, m_.experts / std::max(1, sc_.parallel.ep));
       for (int e = 0; e < local; ++e) {  // experts are not TP-split (model.cpp)
-        ts.push_back({f * h, layer, true});
-        ts.push_back({f, layer, true});
+        for (int u = 0; u < up_mats; ++u) {
+          ts.push_back({f * h, layer, true});
+          if (bias) ts.push_back({f, layer, true});
+        }
         ts.push_back({h * f, layer, true});
-        ts.push_back({h, layer, true});
+        if (bias) ts.push_back({h, layer, true});
       }
     } else {
-      ts.push_back({f * h / t, layer, false});
-      ts.push_back({f / t, layer, false});
+      for (int u = 0; u < up_mats; ++u) {
+        ts.push_back({f * h / t, layer, false});
+        if (bias) ts.push_back({f / t, layer, false});
+      }
       ts.push_back({h * f / t, layer, false});
-      ts.push_back({h, layer, false, true});  // MLP down bias (row-parallel)
+      if (bias) ts.push_back({h, layer, false, true});  // MLP down bias (row-parallel)
     }
     return ts;
   }
@@ -283,8 +298,8 @@ class Builder {
       // per parameter (the optimizer step then has no fold of its own).
       const double h = m_.hidden, t = t_;
       double params = seg.layer_count * dense_layer_params(m_) / t;
-      if (seg.embedding) params += double(m_.vocab) / t * h + double(m_.seq_len) * h;
-      if (seg.head) params += 2 * h + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
+      if (seg.embedding) params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
+      if (seg.head) params += norm_params(m_) + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
       LayerOp fold;
       fold.name = "zero3_gradient_fold";
       // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
@@ -342,7 +357,7 @@ class Builder {
       const int64_t h = m_.hidden;
       if (ch.first) {
         tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false, false, true});  // wte
-        tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true});            // wpe
+        if (!m_.rotary) tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true});  // wpe
       }
       for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) {
         auto lt = layer_tensors(l);
@@ -350,8 +365,8 @@ class Builder {
       }
       if (ch.last) {
         const int ll = ch.layer_begin + ch.layer_count - 1;
-        tensors.push_back({h, ll, false, true});  // final layer norm
-        tensors.push_back({h, ll, false, true});
+        tensors.push_back({h, ll, false, true});  // final layer norm (gain, bias) / RMSNorm (gain)
+        if (!m_.rmsnorm) tensors.push_back({h, ll, false, true});
         if (!m_.tied_embeddings || (p_ > 1 && !ch.first))  // output layer or the tied copy
           tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false, false, m_.tied_embeddings});
       }

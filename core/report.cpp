@@ -152,6 +152,8 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
   std::string model = human_count(r.parameters) + " parameters (" + std::to_string(m.layers) + " layers, h " +
                       std::to_string(m.hidden) + ", " + std::to_string(m.heads) + " heads, s " +
                       std::to_string(m.seq_len) + ", V " + std::to_string(m.vocab);
+  if (m.kv_heads_or_heads() != m.heads) model += ", " + std::to_string(m.kv_heads_or_heads()) + " kv heads";
+  if (m.swiglu) model += ", SwiGLU";
   if (m.is_moe()) model += ", " + std::to_string(m.experts) + " experts top-" + std::to_string(m.top_k);
   line(o, "model", model + ")");
   line(o, "GPUs", std::to_string(sc.cluster.world()) + " x " + sc.cluster.gpu.name + " (" +

@@ -21,7 +21,13 @@ struct ModelSpec {
   int top_k = 1;
   int moe_every = 1;         // every k-th layer is a MoE layer (1 = all, 2 = alternate, as in DeepSpeed-MoE)
   double capacity_factor = 1.0;
-  bool tied_embeddings = true;
+  bool tied_embeddings = true;   // false: a separate LM head [V, h] on the last stage
+  // Llama-shaped layers (defaults = the GPT layout of Megatron eq. 2).
+  int kv_heads = 0;              // key/value heads (GQA / MQA); 0 = heads (multi-head attention)
+  bool swiglu = false;           // MLP: SwiGLU (gate, up [f, h], down [h, f]) instead of GELU (up, down)
+  bool rmsnorm = false;          // norms: RMSNorm (weight only) instead of LayerNorm (weight + bias)
+  bool rotary = false;           // positions: rotary (no wpe table; elementwise on q and k) instead of learned
+  bool bias = true;              // biases in the linear layers (Llama: none)
   // Attention kernel: fused flash attention (s x s scores never reach HBM, nothing of size s^2
   // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
   // written to HBM and kept: Korthikanti's 5as/h activation term).
@@ -32,6 +38,7 @@ struct ModelSpec {
   double dropout = 0.0;
   bool has_dropout() const { return dropout > 0; }
   bool is_moe() const { return experts > 0; }
+  int kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int moe_layers() const { return is_moe() ? layers / moe_every : 0; }
 };
 

@@ -187,6 +187,12 @@ const std::vector<Field>& fields() {
     add("model.attention", [](Scenario& s, const Entry& e) {
       s.model.flash_attention = get_enum(e, {"flash", "unfused"}) == "flash";
     });
+    // Llama-shaped layers (core/model.cpp [L]).
+    add("model.kv_heads", [](Scenario& s, const Entry& e) { s.model.kv_heads = get_int32(e, 1); });
+    add("model.mlp", [](Scenario& s, const Entry& e) { s.model.swiglu = get_enum(e, {"gelu", "swiglu"}) == "swiglu"; });
+    add("model.norm", [](Scenario& s, const Entry& e) { s.model.rmsnorm = get_enum(e, {"layernorm", "rmsnorm"}) == "rmsnorm"; });
+    add("model.position", [](Scenario& s, const Entry& e) { s.model.rotary = get_enum(e, {"learned", "rotary"}) == "rotary"; });
+    add("model.bias", [](Scenario& s, const Entry& e) { s.model.bias = get_bool(e); });
     // training
     add("training.global_batch", [](Scenario& s, const Entry& e) { s.training.global_batch = get_int(e, 1); });
     add("training.micro_batch", [](Scenario& s, const Entry& e) { s.training.micro_batch = get_int32(e, 1); });
@@ -754,6 +760,11 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "tied_embeddings" << YAML::Value << m.tied_embeddings;
   y << YAML::Key << "attention" << YAML::Value << (m.flash_attention ? "flash" : "unfused");
   y << YAML::Key << "dropout" << YAML::Value << m.dropout;
+  y << YAML::Key << "kv_heads" << YAML::Value << m.kv_heads_or_heads();
+  y << YAML::Key << "mlp" << YAML::Value << (m.swiglu ? "swiglu" : "gelu");
+  y << YAML::Key << "norm" << YAML::Value << (m.rmsnorm ? "rmsnorm" : "layernorm");
+  y << YAML::Key << "position" << YAML::Value << (m.rotary ? "rotary" : "learned");
+  y << YAML::Key << "bias" << YAML::Value << m.bias;
   y << YAML::EndMap;
   const auto& t = s.training;
   y << YAML::Key << "training" << YAML::Value << YAML::BeginMap;

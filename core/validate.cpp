@@ -135,6 +135,14 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << ")" << at("model.heads") << "; the head size hidden / heads must be an integer";
     fail();
   }
+  // Grouped-query attention: each key/value head serves heads / kv_heads query heads.
+  if (m.kv_heads < 0 || m.kv_heads > m.heads || (m.kv_heads > 0 && m.heads % m.kv_heads != 0)) {
+    o << "model.kv_heads (" << m.kv_heads << ")" << at("model.kv_heads") << " does not divide model.heads (" << m.heads
+      << ")" << at("model.heads") << "; grouped-query attention shares each key/value head among heads / kv_heads "
+      << "query heads: use one of " << divisors_of(m.heads, m.heads) << " (kv_heads = heads is multi-head attention, "
+      << "1 is multi-query attention), or omit it";
+    fail();
+  }
   if (!(m.dropout >= 0 && m.dropout < 1)) {
     o << "model.dropout (" << m.dropout << ")" << at("model.dropout")
       << " is a probability: it must be in [0, 1); Megatron's GPT default is 0.1, 0 turns dropout off";
@@ -178,6 +186,15 @@ void validate(const Scenario& s, const KeyLocator& where) {
     o << "model.heads (" << m.heads << ")" << at("model.heads") << " is not divisible by parallel.tp (" << p.tp << ")"
       << at("parallel.tp") << "; Megatron splits attention heads across tensor-parallel ranks: use a tp that divides "
       << m.heads << " (" << divisors_of(m.heads, 64) << ")";
+    fail();
+  }
+  // Megatron-LM splits the key/value heads (num_query_groups) across the tensor-parallel ranks too
+  // (megatron/core/transformer/attention.py: divide(num_query_groups, tp) asserts): no replication.
+  if (m.kv_heads_or_heads() % p.tp != 0) {
+    o << "model.kv_heads (" << m.kv_heads_or_heads() << ")" << at("model.kv_heads") << " is not divisible by parallel.tp ("
+      << p.tp << ")" << at("parallel.tp") << "; Megatron splits the key/value heads across tensor-parallel ranks "
+      << "(it does not replicate them): use a tp that divides " << m.kv_heads_or_heads() << " ("
+      << divisors_of(m.kv_heads_or_heads(), 64) << ")";
     fail();
   }
   if (m.ffn_hidden % p.tp != 0) {

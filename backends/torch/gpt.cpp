@@ -23,6 +23,16 @@ GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence
   if (m.has_dropout())
     throw std::invalid_argument("torch backend: model.dropout = " + std::to_string(m.dropout) +
                                 " is not implemented (dssim's GPT trains without dropout); set model.dropout: 0");
+  auto not_implemented = [](const std::string& what) {
+    return std::invalid_argument("torch backend: " + what + " is not implemented (dssim's GPT is " +
+                                 "GELU, LayerNorm, learned positions, biased linears); the simulator covers it");
+  };
+  if (m.swiglu) throw not_implemented("model.mlp = swiglu");
+  if (m.kv_heads > 0 && m.kv_heads != m.heads)
+    throw not_implemented("model.kv_heads = " + std::to_string(m.kv_heads) + " (grouped-query attention)");
+  if (m.rmsnorm) throw not_implemented("model.norm = rmsnorm");
+  if (m.rotary) throw not_implemented("model.position = rotary");
+  if (!m.bias) throw not_implemented("model.bias = false");
   if (!m.tied_embeddings) throw std::invalid_argument("torch backend: only tied embeddings are supported");
   c.tp = tp;
   c.tp_rank = tp_rank;

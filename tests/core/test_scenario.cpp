@@ -156,7 +156,8 @@ TEST_CASE("GPU presets carry the datasheet numbers", "[scenario]") {
 }
 
 TEST_CASE("model and cluster presets", "[scenario]") {
-  for (const auto& name : {"gpt3-175b", "gpt-13b", "gpt-7b", "gpt-1.3b", "gpt-350m", "tiny"}) {
+  for (const auto& name : {"gpt3-175b", "gpt-13b", "gpt-7b", "gpt-1.3b", "gpt-350m", "gpt3-125m", "gpt3-760m", "gpt3-2.7b",
+                           "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "tiny"}) {
     auto models = list_presets("models");
     CHECK(std::find(models.begin(), models.end(), name) != models.end());
   }
