@@ -545,6 +545,49 @@ TEST_CASE("program: many strategy combinations are consistent and deadlock-free"
   CHECK(built == 3 * 3 * 4 * 4);
 }
 
+TEST_CASE("program: Llama-shaped models build consistently across tp, pp, ZeRO and MoE", "[program][llama]") {
+  // GQA (2 kv heads of 4), SwiGLU, RMSNorm, rotary, no biases, untied head (tests/core/test_llama.cpp
+  // checks the partition sizes against the parameter count).
+  int built = 0;
+  for (int pp : {1, 2}) {
+    for (int tp : {1, 2}) {
+      for (int zero_stage = 0; zero_stage <= 3; ++zero_stage) {
+        for (int moe = 0; moe < 2; ++moe) {
+          Scenario sc = tiny(tp, pp, 2, zero_stage, pp * 2);
+          sc.model.kv_heads = 2;
+          sc.model.ffn_hidden = 192;
+          sc.model.swiglu = sc.model.rmsnorm = sc.model.rotary = true;
+          sc.model.bias = false;
+          sc.model.tied_embeddings = false;
+          sc.parallel.sequence_parallel = tp > 1;
+          sc.recompute = zero_stage == 2 ? Recompute::full : Recompute::none;
+          if (moe) {
+            sc.model.experts = 4;
+            sc.model.top_k = 2;
+            sc.parallel.ep = 2;
+          }
+          INFO("pp " << pp << " tp " << tp << " zero " << zero_stage << " moe " << moe);
+          const Program p = build_program(sc);
+          check_program(p);
+          // The ops the device model prices: two MLP up GEMMs and SwiGLU, no GELU, no bias gradients.
+          int gates = 0, gelus = 0, biases = 0;
+          for (const auto& ops : p.op_lists)
+            for (const LayerOp& op : ops) {
+              gates += op.name == "mlp_gate";
+              gelus += op.name == "gelu";
+              biases += op.name == "bias_grads";
+            }
+          CHECK(gates > 0);
+          CHECK(gelus == 0);
+          CHECK(biases == 0);
+          ++built;
+        }
+      }
+    }
+  }
+  CHECK(built == 2 * 2 * 4 * 2);
+}
+
 namespace {
 
 using TpKey = std::tuple<Op, double, int>;  // op, bytes, repeat
