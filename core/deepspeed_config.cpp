@@ -40,7 +40,6 @@ struct Unmodelled {
 };
 const std::vector<Unmodelled>& unmodelled() {
   static const std::vector<Unmodelled> u = {
-      {"communication_data_type", json(), "the dtype of gradient all-reduce / reduce-scatter (traffic)"},
       {"seq_parallel_communication_data_type", json(), "the dtype of sequence-parallel collectives (traffic)"},
       // fp32 accumulation is what dssim models for 16-bit training (core/memory.cpp)
       {"data_types.grad_accum_dtype", json("fp32"), "the gradient accumulation buffer dtype (memory)"},
@@ -52,10 +51,7 @@ const std::vector<Unmodelled>& unmodelled() {
       {"zero_optimization.sub_group_size", json(1000000000), "the optimizer step's sub-group size (memory)"},
       {"zero_optimization.stage3_max_reuse_distance", json(1000000000), "ZeRO-3 parameter reuse (memory, traffic)"},
       {"zero_optimization.model_persistence_threshold", json(), "ZeRO-3 persistent parameters (memory)"},
-      {"zero_optimization.zero_hpz_partition_size", json(1), "ZeRO++ hierarchical partitioning (memory, traffic)"},
-      {"zero_optimization.zero_quantized_weights", json(false), "ZeRO++ quantized weight all-gather (traffic)"},
       {"zero_optimization.zero_quantized_nontrainable_weights", json(false), "ZeRO++ quantized frozen weights (memory)"},
-      {"zero_optimization.zero_quantized_gradients", json(false), "ZeRO++ quantized gradients (traffic)"},
       {"zero_optimization.zeropp_loco_param", json(), "ZeRO++ LoCo error feedback (memory, traffic)"},
       {"zero_optimization.mics_shard_size", json(-1), "MiCS sharding (memory, traffic)"},
       {"zero_optimization.mics_hierarchical_params_gather", json(false), "MiCS hierarchical gather (traffic)"},
@@ -117,7 +113,8 @@ std::string template_message(const std::string& ds_key, const std::string& token
 const std::set<std::string> kMapped = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "moe", "activation_checkpointing",
-    "tensor_parallel", "sequence_parallel_size", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"};
+    "tensor_parallel", "sequence_parallel_size", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "communication_data_type"};
 
 struct Mapper {
   std::string origin;
@@ -322,6 +319,10 @@ struct Mapper {
       else if (k == "stage3_param_persistence_threshold" || k == "param_persistence_threshold")
         map("zero.param_persistence_threshold", dk, v, Kind::Integer);
       else if (k == "stage3_max_live_parameters" || k == "max_live_parameters") map("zero.max_live_parameters", dk, v, Kind::Integer);
+      // ZeRO++ (stage 3; the loader warns and drops them below): qwZ, qgZ, hpZ.
+      else if (k == "zero_quantized_weights") map("zero.quantized_weights", dk, v, Kind::Bool);
+      else if (k == "zero_quantized_gradients") map("zero.quantized_gradients", dk, v, Kind::Bool);
+      else if (k == "zero_hpz_partition_size") map("zero.hpz_partition_size", dk, v, Kind::Integer);
       else if (k == "contiguous_gradients") {
         // dssim always models one contiguous gradient buffer: only `false` changes anything.
         if (!is_auto(v) && !get_bool(dk, v)) warn_unused(dk, "is false: dssim always models contiguous gradient buffers");
@@ -352,6 +353,9 @@ struct Mapper {
     dflt("zero.prefetch_bucket_size", "stage3_prefetch_bucket_size", "50000000");
     dflt("zero.param_persistence_threshold", "stage3_param_persistence_threshold", "100000");
     dflt("zero.max_live_parameters", "stage3_max_live_parameters", "1000000000");
+    dflt("zero.quantized_weights", "zero_quantized_weights", "false");
+    dflt("zero.quantized_gradients", "zero_quantized_gradients", "false");
+    dflt("zero.hpz_partition_size", "zero_hpz_partition_size", "1");
   }
 
   void precision(const json& root) {
@@ -551,6 +555,20 @@ struct Mapper {
     }
   }
 
+  // DeepSpeed's get_communication_data_type: fp32 / fp16 / bf16 (bfp16), any case; null = the
+  // compute dtype. The data-parallel gradient reduction moves that dtype (core/program_builder.cpp).
+  void communication_data_type(const json& v) {
+    const std::string k = "communication_data_type";
+    if (v.is_null()) return;
+    if (is_auto(v)) { keep_auto("precision.communication_dtype", k); return; }
+    if (!v.is_string()) fail(k, "expected \"fp32\", \"fp16\" or \"bf16\", got " + v.dump());
+    const std::string t = lower(v.get<std::string>());
+    if (t == "fp32" || t == "fp16" || t == "bf16") set("precision.communication_dtype", k, YAML::Node(t));
+    else if (t == "bfp16") set("precision.communication_dtype", k, YAML::Node("bf16"));
+    else if (looks_like_template(v.get<std::string>())) throw ConfigError(origin + ": " + template_message(k, v.dump()));
+    else fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
+  }
+
   void run(const json& root) {
     if (!root.is_object()) throw ConfigError(origin + ": a ds_config must be a JSON object");
     // A JSON file none of whose (several) top-level keys DeepSpeed knows is not a ds_config.
@@ -576,6 +594,7 @@ struct Mapper {
         if (is_auto(v)) out.batch_auto = true;
         map(key, k, v, Kind::Integer);
       } else if (k == "gradient_clipping") map("training.gradient_clipping", k, v, Kind::Number);
+      else if (k == "communication_data_type") communication_data_type(v);
       else if (k == "zero_optimization") zero(v);
       else if (k == "fp16" || k == "bf16") continue;  // precision() above
       else if (k == "bfloat16" && !root.contains("bf16")) continue;

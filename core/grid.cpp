@@ -33,6 +33,8 @@ int ProcessGrid::group_count(GroupKind kind) const {
     case GroupKind::ExpertDP: return tp_ * pp_ * ep_;
     case GroupKind::Embedding: return tp_ * dp_;
     case GroupKind::World: return 1;
+    case GroupKind::DPIntra:
+    case GroupKind::DPInter: return 0;  // ZeRO++ sub-groups: made by the program builder
   }
   return 0;
 }
@@ -49,6 +51,8 @@ int ProcessGrid::group_index(GroupKind kind, int rank) const {
     case GroupKind::Embedding:
       return (c.pp == 0 || c.pp == pp_ - 1) ? rank % (tp_ * dp_) : -1;
     case GroupKind::World: return 0;
+    case GroupKind::DPIntra:
+    case GroupKind::DPInter: return -1;
   }
   return -1;
 }
@@ -82,6 +86,9 @@ std::vector<int> ProcessGrid::group_of(GroupKind kind, int rank) const {
       break;
     case GroupKind::World:
       for (int r = 0; r < world(); ++r) g.push_back(r);
+      break;
+    case GroupKind::DPIntra:
+    case GroupKind::DPInter:
       break;
   }
   return g;

@@ -238,6 +238,10 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
         std::min(psi, std::min(live_cap, largest + static_cast<double>(z.prefetch_bucket_size)));
     mb.params_gathered = pb * (gathered + sp.persistent);
     mb.params = (z.offload_param ? 0 : pb * shard) + mb.params_gathered;
+    // ZeRO++ hpZ: each rank also keeps its 1/hpz_partition_size secondary shard of the dense
+    // parameters (16-bit, DeepSpeed's ds_secondary_tensor) for the backward's intra-node gathers.
+    if (z.hpz() && z.hpz_partition_size < dp && std::fmod(dp, z.hpz_partition_size) == 0)
+      mb.params += pb * sp.dense / z.hpz_partition_size;
   }
 
   // Gradients [Z]: full for stages 0-1, partitioned for 2-3. With optimizer offload (stage >= 2)

@@ -64,6 +64,8 @@ const char* to_string(GroupKind k) {
     case GroupKind::ExpertDP: return "expert_dp";
     case GroupKind::Embedding: return "embedding";
     case GroupKind::World: return "world";
+    case GroupKind::DPIntra: return "dp_intra";
+    case GroupKind::DPInter: return "dp_inter";
   }
   return "?";
 }

@@ -56,7 +56,10 @@ enum class Purpose : uint8_t {
 };
 const char* to_string(Purpose);
 
-enum class GroupKind : uint8_t { TP, PP, DP, EP, ExpertDP, Embedding, World };
+// DPIntra / DPInter: ZeRO++ sub-groups of a DP group (core/program_builder.cpp): the DP ranks of one
+// node (hpZ's secondary partition, qgZ's intra-node all-to-all) and the ranks at the same place
+// in every node (qgZ's inter-node all-to-all). Only the builder makes them (not ProcessGrid).
+enum class GroupKind : uint8_t { TP, PP, DP, EP, ExpertDP, Embedding, World, DPIntra, DPInter };
 const char* to_string(GroupKind);
 
 struct Group {

@@ -175,6 +175,19 @@ class Builder {
     b_ = std::max(1, sc.training.micro_batch);
     g_ = bytes_of(sc.precision.dtype);
     zero_ = sc.zero.stage;
+    cg_ = sc.precision.communication_bytes();
+    // ZeRO++ (stage 3): hpZ's secondary partition over hpz_ DP ranks; qgZ's two levels, the DP
+    // ranks of one node (qgz_local_) then the nodes. See docs/simulator.md, "ZeRO++".
+    if (zero_ == 3 && sc.parallel.dp > 1) {
+      hpz_ = sc.zero.hpz() && sc.zero.hpz_partition_size < sc.parallel.dp &&
+                     sc.parallel.dp % sc.zero.hpz_partition_size == 0
+                 ? sc.zero.hpz_partition_size : 1;
+      qwz_ = sc.zero.quantized_weights;
+      qgz_ = sc.zero.quantized_gradients;
+      const int gpn = std::max(1, sc.cluster.gpus_per_node);
+      const int local = t_ <= gpn && gpn % t_ == 0 ? gpn / t_ : 1;
+      qgz_local_ = local > 1 && local < sc.parallel.dp && sc.parallel.dp % local == 0 ? local : 1;
+    }
     if (zero_ < 0 || zero_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
     if (m_.layers < 1 || m_.hidden < 1 || m_.seq_len < 1)
       throw std::invalid_argument("build_program: model needs layers, hidden and seq_len");
@@ -569,11 +582,31 @@ class Builder {
     return id;
   }
 
+  // ZeRO++ sub-groups of the DP groups of `rank`'s stage: DPIntra of `size` consecutive DP ranks,
+  // DPInter of `size` ranks striding dp / size. All of the stage's are registered at once (in a
+  // fixed order) so that a Program of stage representatives carries every rank's own sub-group.
+  int sub_group(Program& prog, int rank, GroupKind kind, int size) {
+    const RankCoord c = grid_.coord(rank);
+    const int dp = sc_.parallel.dp, n_groups = dp / size;
+    int mine = -1;
+    for (int t = 0; t < t_; ++t)
+      for (int k = 0; k < n_groups; ++k) {
+        std::vector<int> ranks;
+        for (int i = 0; i < size; ++i)
+          ranks.push_back(grid_.rank_of(kind == GroupKind::DPIntra ? k * size + i : i * n_groups + k, c.pp, t));
+        auto [it, fresh] = sub_groups_.try_emplace({int(kind), ranks}, int(prog.groups.size()));
+        if (fresh) prog.groups.push_back({kind, ranks});
+        if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) mine = it->second;
+      }
+    return mine;
+  }
+
   struct RankCtx {
     RankProgram* rp = nullptr;
     const StagePlan* plan = nullptr;
     RankCoord c;
     int tp_g = -1, dp_g = -1, ep_g = -1, edp_g = -1, emb_g = -1;
+    int hpz_g = -1, qgz_intra_g = -1, qgz_inter_g = -1;  // ZeRO++ sub-groups of the DP group
     int dp_n = 1, edp_n = 1;
     std::vector<uint32_t> deps;
     uint32_t last_compute = kNone;
@@ -632,6 +665,11 @@ class Builder {
     x.dp_n = sc_.parallel.dp;
     x.edp_n = sc_.parallel.dp / std::max(1, sc_.parallel.ep);
     x.dp_g = x.dp_n > 1 ? group_id(prog, GroupKind::DP, rp.rank) : -1;
+    if (x.dp_g >= 0 && hpz_ > 1) x.hpz_g = sub_group(prog, rp.rank, GroupKind::DPIntra, hpz_);
+    if (x.dp_g >= 0 && qgz_ && qgz_local_ > 1) {
+      x.qgz_intra_g = sub_group(prog, rp.rank, GroupKind::DPIntra, qgz_local_);
+      x.qgz_inter_g = sub_group(prog, rp.rank, GroupKind::DPInter, sc_.parallel.dp / qgz_local_);
+    }
     x.edp_g = (plan.has_expert && x.edp_n > 1) ? group_id(prog, GroupKind::ExpertDP, rp.rank) : -1;
     x.ep_g = (m_.is_moe() && sc_.parallel.ep > 1) ? group_id(prog, GroupKind::EP, rp.rank) : -1;
     const bool emb_member = p_ > 1 && m_.tied_embeddings && (x.c.pp == 0 || x.c.pp == p_ - 1);
@@ -757,7 +795,13 @@ class Builder {
             in.layer_count = 1;
             in.group = grp;
             in.bucket = it->second;
-            in.bytes = double(sg.padded_numel()) * g_;
+            in.bytes = s3_gather_bytes(sg.shard_numel, z.dp);
+            // hpZ: backward (and its recompute) gathers the secondary partition, kept after the
+            // forward gather, within the node (DeepSpeed's ds_secondary_tensor); dense only.
+            if (!r.forward && !expert && x.hpz_g >= 0) {
+              in.group = x.hpz_g;
+              in.bytes = s3_gather_bytes((sg.numel + hpz_ - 1) / hpz_, hpz_);
+            }
             last = add(x, in, {fetch});
           }
         }
@@ -990,13 +1034,34 @@ class Builder {
                       int mb, int chunk, int layer, uint32_t produced, Stream st, uint32_t sp_sum = kNone) {
     const int grp = expert ? x.edp_g : x.dp_g;
     uint32_t id = kNone;
-    if (grp >= 0) {
+    if (grp >= 0 && op == Op::ReduceScatter && qgz_ && !expert) {
+      // qgZ (DeepSpeed all_to_all_quant_reduce): int4 (0.5 byte per element) all-to-all of the
+      // bucket within the node, a local reduction to 1/L of it, int4 all-to-all across the nodes
+      // (the DP ranks at the same place in every node). One level over the DP group when it
+      // lies within a node or its node-local part is not a divisor. Scales are left out (one fp32
+      // per quantization group: under 0.1% of the int4 bytes).
+      const bool two = x.qgz_intra_g >= 0 && x.qgz_inter_g >= 0;
+      const std::pair<int, double> levels[] = {{two ? x.qgz_intra_g : grp, elems * 0.5},
+                                               {two ? x.qgz_inter_g : -1, elems * 0.5 / qgz_local_}};
+      uint32_t prev = kNone;
+      for (const auto& [g, bytes] : levels) {
+        if (g < 0) continue;
+        Instruction in = make(Op::AllToAll, st, Purpose::GradientReduce, mb, chunk);
+        in.group = g;
+        in.bucket = bucket;
+        in.layer_begin = layer;
+        in.layer_count = 1;
+        in.bytes = bytes;
+        prev = id = prev == kNone ? add(x, in, {produced, sp_sum}) : add(x, in, {prev});
+      }
+      x.last_reduce = id;
+    } else if (grp >= 0) {
       Instruction in = make(op, st, Purpose::GradientReduce, mb, chunk);
       in.group = grp;
       in.bucket = bucket;
       in.layer_begin = layer;
       in.layer_count = 1;
-      in.bytes = elems * g_;
+      in.bytes = elems * cg_;  // communication_data_type (default: the compute dtype)
       id = add(x, in, {produced, sp_sum});
       x.last_reduce = id;
     }
@@ -1090,6 +1155,14 @@ class Builder {
     }
   }
 
+  // A stage-3 all-gather's output bytes for `shard` elements from each of `n` ranks: 16-bit, or
+  // with qwZ int8 plus one fp32 scale per block of at most kQwzBlock elements of each rank's shard
+  // (DeepSpeed's CUDAQuantizer: target_group_size 8000, symmetric 8-bit).
+  double s3_gather_bytes(int64_t shard, int n) const {
+    if (!qwz_) return double(shard) * n * g_;
+    return (double(shard) + 4.0 * double((shard + kQwzBlock - 1) / kQwzBlock)) * n;
+  }
+
   static int64_t s3_shard(const ZeroPartition& z) {
     int64_t n = 0;
     for (const auto& g : z.stage3_groups) n += g.shard_numel;
@@ -1101,6 +1174,11 @@ class Builder {
   ProcessGrid grid_;
   const ModelSpec& m_;
   int p_ = 1, v_ = 1, t_ = 1, M_ = 1, b_ = 1, g_ = 2, zero_ = 0;
+  int cg_ = 2;                       // bytes per element of the DP gradient reduction (communication_data_type)
+  int hpz_ = 1, qgz_local_ = 1;      // ZeRO++: secondary partition size; DP ranks per node for qgZ
+  bool qwz_ = false, qgz_ = false;
+  static constexpr int64_t kQwzBlock = 8000;
+  std::map<std::pair<int, std::vector<int>>, int> sub_groups_;
   bool onebit_ = false;
   double act_bytes_ = 0, p2p_bytes_ = 0, a2a_bytes_ = 0;
   bool scatter_gather_ = false;

@@ -3,6 +3,7 @@
 // YAML files under scenarios/; by the time a Scenario exists they have been merged in.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,12 @@ struct ZeroSpec {
   int64_t prefetch_bucket_size = 50000000;    // elements (stage3_prefetch_bucket_size)
   int64_t param_persistence_threshold = 100000;  // elements (stage3_param_persistence_threshold)
   int64_t max_live_parameters = 1000000000;   // elements (stage3_max_live_parameters)
+  // ZeRO++ (Wang et al. 2023; DeepSpeed zero_quantized_weights / zero_quantized_gradients /
+  // zero_hpz_partition_size), stage 3 only (docs/simulator.md, "ZeRO++").
+  bool quantized_weights = false;    // qwZ: parameter all-gathers move int8 + fp32 block scales
+  bool quantized_gradients = false;  // qgZ: int4 hierarchical all-to-all reduce-scatter of gradients
+  int hpz_partition_size = 1;        // hpZ: secondary parameter partition over this many DP ranks (1 = off)
+  bool hpz() const { return stage == 3 && hpz_partition_size > 1; }
 };
 
 enum class Dtype { fp32, fp16, bf16 };
@@ -90,6 +97,10 @@ struct LossScaleSpec {               // DeepSpeed fp16 block
 struct PrecisionSpec {
   Dtype dtype = Dtype::bf16;         // compute / 16-bit parameter dtype; fp32 = no mixed precision
   LossScaleSpec loss_scale;          // used when dtype == fp16
+  // DeepSpeed communication_data_type: the dtype the data-parallel gradient reduction moves
+  // (gradients are cast to it before the all-reduce / reduce-scatter); unset = dtype.
+  std::optional<Dtype> communication_dtype;
+  int communication_bytes() const { return bytes_of(communication_dtype.value_or(dtype)); }
 };
 
 // lamb: momentum and variance as Adam (plus a per-tensor trust ratio); lion: one momentum. Both are

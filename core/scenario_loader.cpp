@@ -232,8 +232,12 @@ const std::vector<Field>& fields() {
     add("zero.prefetch_bucket_size", [](Scenario& s, const Entry& e) { s.zero.prefetch_bucket_size = get_int(e, 0); });
     add("zero.param_persistence_threshold", [](Scenario& s, const Entry& e) { s.zero.param_persistence_threshold = get_int(e, 0); });
     add("zero.max_live_parameters", [](Scenario& s, const Entry& e) { s.zero.max_live_parameters = get_int(e, 0); });
+    add("zero.quantized_weights", [](Scenario& s, const Entry& e) { s.zero.quantized_weights = get_bool(e); });
+    add("zero.quantized_gradients", [](Scenario& s, const Entry& e) { s.zero.quantized_gradients = get_bool(e); });
+    add("zero.hpz_partition_size", [](Scenario& s, const Entry& e) { s.zero.hpz_partition_size = get_int32(e, 1); });
     // precision
     add("precision.dtype", [](Scenario& s, const Entry& e) { s.precision.dtype = parse_dtype(e); });
+    add("precision.communication_dtype", [](Scenario& s, const Entry& e) { s.precision.communication_dtype = parse_dtype(e); });
     add("precision.loss_scale.scale", [](Scenario& s, const Entry& e) {
       if (e.value.IsScalar() && e.value.Scalar() == "dynamic") { s.precision.loss_scale.loss_scale = 0; return; }
       s.precision.loss_scale.loss_scale = get_non_negative(e, D::None);
@@ -671,6 +675,22 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
     s.zero.offload_param = false;
     merged.erase(it);
   }
+  // ZeRO++ (qwZ, qgZ, hpZ) is stage 3's: DeepSpeed's stages 1 and 2 ignore the keys.
+  for (const char* key : {"zero.quantized_weights", "zero.quantized_gradients", "zero.hpz_partition_size"}) {
+    auto it = merged.find(key);
+    if (it == merged.end() || s.zero.stage == 3) continue;
+    const bool on = std::string(key) == "zero.hpz_partition_size" ? s.zero.hpz_partition_size > 1
+                    : std::string(key) == "zero.quantized_weights" ? s.zero.quantized_weights
+                                                                   : s.zero.quantized_gradients;
+    if (!on) continue;
+    warnings.push_back((it->second.written_as.empty() ? std::string(key) : "ds_config key '" + it->second.written_as + "'") +
+                       " is a ZeRO++ option, but zero.stage is " + std::to_string(s.zero.stage) +
+                       ": ZeRO++ applies to stage 3 only (DeepSpeed ignores it below), and so does dssim");
+  }
+  if (s.zero.stage != 3) {
+    s.zero.quantized_weights = s.zero.quantized_gradients = false;
+    s.zero.hpz_partition_size = 1;
+  }
 
   auto where = [&](const std::string& key) -> std::string {
     auto it = merged.find(key);
@@ -788,10 +808,15 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "prefetch_bucket_size" << YAML::Value << z.prefetch_bucket_size;
   y << YAML::Key << "param_persistence_threshold" << YAML::Value << z.param_persistence_threshold;
   y << YAML::Key << "max_live_parameters" << YAML::Value << z.max_live_parameters;
+  y << YAML::Key << "quantized_weights" << YAML::Value << z.quantized_weights;
+  y << YAML::Key << "quantized_gradients" << YAML::Value << z.quantized_gradients;
+  y << YAML::Key << "hpz_partition_size" << YAML::Value << z.hpz_partition_size;
   y << YAML::EndMap;
   const auto& ls = s.precision.loss_scale;
   y << YAML::Key << "precision" << YAML::Value << YAML::BeginMap;
   y << YAML::Key << "dtype" << YAML::Value << to_string(s.precision.dtype);
+  // the dtype the gradient reduction moves (unset = dtype: written as such)
+  y << YAML::Key << "communication_dtype" << YAML::Value << to_string(s.precision.communication_dtype.value_or(s.precision.dtype));
   y << YAML::Key << "loss_scale" << YAML::Value << YAML::BeginMap;
   y << YAML::Key << "scale" << YAML::Value << ls.loss_scale << YAML::Key << "initial_scale_power" << YAML::Value << ls.initial_scale_power;
   y << YAML::Key << "loss_scale_window" << YAML::Value << ls.loss_scale_window << YAML::Key << "hysteresis" << YAML::Value << ls.hysteresis;

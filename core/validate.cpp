@@ -278,6 +278,14 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << divisors_of(p.dp) << "}";
     fail();
   }
+  // ZeRO++ hpZ: the secondary partition groups hpz_partition_size consecutive data-parallel ranks.
+  if (s.zero.hpz() && p.dp % s.zero.hpz_partition_size != 0) {
+    o << "zero.hpz_partition_size (" << s.zero.hpz_partition_size << ")" << at("zero.hpz_partition_size")
+      << " must divide parallel.dp (" << p.dp << ")" << at("parallel.dp")
+      << "; ZeRO++ keeps a secondary parameter partition over that many data-parallel ranks (normally one node): use one of {"
+      << divisors_of(p.dp) << "}";
+    fail();
+  }
 
   // --- batch
   c.positive("training.global_batch", static_cast<double>(t.global_batch), "");

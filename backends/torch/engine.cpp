@@ -135,6 +135,7 @@ class Engine {
     offload_ = sc.zero.offload_optimizer;
     offload_param_ = sc.zero.offload_param && stage_ == 3;
     overlap_ = sc.zero.overlap_comm;
+    if (sc.precision.communication_dtype && *sc.precision.communication_dtype != sc.precision.dtype) throw std::runtime_error("torch backend: communication_data_type (precision.communication_dtype " + std::string(to_string(*sc.precision.communication_dtype)) + ") differs from the compute dtype " + to_string(sc.precision.dtype) + ": the engine reduces gradients in the compute dtype; remove the key or set it to the compute dtype");
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
     part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_, layout_.units));
     allocate();

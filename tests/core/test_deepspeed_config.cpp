@@ -52,7 +52,9 @@ TEST_CASE("cross_dc_comm.json: keys DeepSpeed does not define are warned, not dr
   const Scenario s = with_ds(shipped("gpt13b_zero2.yaml"), "cross_dc_comm.json");
   CHECK(has_warning_with(s, "'timeout' is not a DeepSpeed config key"));
   CHECK(has_warning_with(s, "'nccl_socket_ifname' is not a DeepSpeed config key"));
-  CHECK(has_warning_with(s, "'communication_data_type' = \"fp16\" changes the dtype of gradient all-reduce"));
+  // communication_data_type is modelled (the gradient reduction's bytes): mapped, no warning
+  CHECK(s.precision.communication_dtype == Dtype::fp16);
+  CHECK_FALSE(has_warning_with(s, "changes the dtype of gradient all-reduce"));
   // a ds_config describes the whole DeepSpeed run: no zero_optimization block = stage 0, neither
   // fp16 nor bf16 = fp32, no gradient_clipping = 0; each replaced scenario value is warned
   CHECK(s.zero.stage == 0);
@@ -305,4 +307,55 @@ TEST_CASE("ds_config: a JSON file with no DeepSpeed key at all is not taken for 
   bool plain = false;
   for (const auto& w : pre.warnings) plain |= w == "ds_config key 'prescale_gradients' has no effect in dssim; ignored";
   CHECK(plain);
+}
+
+TEST_CASE("communication_data_type maps onto precision.communication_dtype", "[deepspeed]") {
+  const std::string base = R"("train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "bf16": {"enabled": true})";
+  auto load = [&](const std::string& v) {
+    LoadOptions o;
+    o.deepspeed_config = temp_json("comm_dtype", "{" + base + ", \"communication_data_type\": " + v + "}");
+    return load_scenario(shipped("gpt13b_zero2.yaml"), o);
+  };
+  CHECK(load("\"fp32\"").precision.communication_dtype == Dtype::fp32);
+  CHECK(load("\"FP16\"").precision.communication_dtype == Dtype::fp16);
+  CHECK(load("\"bfp16\"").precision.communication_dtype == Dtype::bf16);  // DeepSpeed's other spelling
+  CHECK_FALSE(load("null").precision.communication_dtype.has_value());   // DeepSpeed's default: the compute dtype
+  CHECK_FALSE(load("\"auto\"").precision.communication_dtype.has_value());
+  const Scenario s = load("\"fp32\"");
+  CHECK(s.precision.communication_bytes() == 4);
+  CHECK_FALSE(has_warning_with(s, "which dssim does not model"));
+  CHECK(has_warning_with(s, "'communication_data_type' sets precision.communication_dtype = fp32, replacing the scenario's bf16"));
+  const std::string e = config_error([&] { load("\"int8\""); });
+  CHECK_THAT(e, Contains("communication_data_type") && Contains("int8"));
+  CHECK_THAT(config_error([&] { load("16"); }), Contains("communication_data_type"));
+}
+
+TEST_CASE("ZeRO++ keys (qwZ, qgZ, hpZ) are modelled at stage 3 and ignored with a warning below", "[deepspeed][zeropp]") {
+  const Scenario s = with_ds(shipped("gpt13b_zero2.yaml"), "corpus/dst_zeropp.json");
+  CHECK(s.zero.stage == 3);
+  CHECK(s.zero.quantized_weights);
+  CHECK(s.zero.quantized_gradients);
+  CHECK(s.zero.hpz_partition_size == 8);
+  CHECK(s.zero.hpz());
+  CHECK_FALSE(has_warning_with(s, "ZeRO++"));
+  CHECK_FALSE(has_warning_with(s, "which dssim does not model"));
+  CHECK(has_warning_with(s, "'zero_optimization.zero_quantized_gradients' sets zero.quantized_gradients = true"));
+  // below stage 3 DeepSpeed ignores them: so does dssim, with a warning naming the key
+  LoadOptions o;
+  o.deepspeed_config = temp_json("zeropp_stage2", R"({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 2, "zero_quantized_weights": true, "zero_hpz_partition_size": 8}})");
+  const Scenario z2 = load_scenario(shipped("gpt13b_zero2.yaml"), o);
+  CHECK(z2.zero.stage == 2);
+  CHECK_FALSE(z2.zero.quantized_weights);
+  CHECK(z2.zero.hpz_partition_size == 1);
+  CHECK(has_warning_with(z2, "'zero_optimization.zero_quantized_weights' is a ZeRO++ option, but zero.stage is 2"));
+  CHECK(has_warning_with(z2, "'zero_optimization.zero_hpz_partition_size' is a ZeRO++ option"));
+  // hpZ must divide the data-parallel size (DeepSpeed asserts it when it builds the groups)
+  o.deepspeed_config = temp_json("zeropp_hpz3", R"({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})");
+  CHECK_THAT(config_error([&] { load_scenario(shipped("gpt13b_zero2.yaml"), o); }),
+             Contains("zero.hpz_partition_size (3)") && Contains("zero_optimization.zero_hpz_partition_size"));
+  CHECK_THAT(config_error([&] { with_ds(shipped("gpt13b_zero2.yaml"), "corpus/dst_zeropp.json", [] {
+               LoadOptions l; l.overrides = {"zero.hpz_partition_size=true"}; return l; }()); }),
+             Contains("zero.hpz_partition_size"));
 }

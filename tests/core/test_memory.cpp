@@ -368,3 +368,24 @@ TEST_CASE("one rank: no ZeRO buffers, ZeRO-3 in place; the loss's fp32 transient
     else CHECK(a.temporaries > ce);
   }
 }
+
+TEST_CASE("ZeRO++ hpZ: each rank also keeps a 1/hpz secondary shard of the 16-bit parameters", "[memory][zeropp]") {
+  Scenario sc = scenario(gpt(36, 4096, 32), 64, 1, 1, 3);
+  const MemoryBreakdown base = peak_memory(sc);
+  const double dense = stage_parameters(sc, 0).dense;
+  sc.zero.hpz_partition_size = 8;  // one DGX node
+  const MemoryBreakdown h = peak_memory(sc);
+  CHECK(h.params - base.params == Approx(2.0 * dense / 8));  // fp16 secondary shard
+  CHECK(h.model_states() - base.model_states() == Approx(2.0 * dense / 8));
+  CHECK(h.params_gathered == Approx(base.params_gathered));
+  // qwZ / qgZ change traffic only
+  sc.zero.quantized_weights = sc.zero.quantized_gradients = true;
+  CHECK(peak_memory(sc).total() == Approx(h.total()));
+  // hpZ over the whole DP group (or below stage 3) keeps nothing more
+  sc.zero.hpz_partition_size = 64;
+  CHECK(peak_memory(sc).params == Approx(base.params));
+  sc.zero.hpz_partition_size = 8;
+  sc.zero.stage = 2;
+  Scenario z2 = scenario(gpt(36, 4096, 32), 64, 1, 1, 2);
+  CHECK(peak_memory(sc).params == Approx(peak_memory(z2).params));
+}

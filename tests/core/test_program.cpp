@@ -822,3 +822,147 @@ TEST_CASE("program: zero bucket sizes (DeepSpeed's ge=0) build without dividing 
     if (stage < 3) CHECK(wire(p, p.ranks[0], Purpose::ParamGather) == Approx(psi * 2 / 2).epsilon(0.01));
   }
 }
+
+// ---- communication_data_type and ZeRO++ (issue 19) ----
+
+namespace {
+// dp 8 over 2 nodes of 4 GPUs: qgZ's intra-node level has 4 ranks, its inter-node level 2.
+Scenario zpp(bool qwz, bool qgz, int hpz) {
+  Scenario sc = tiny(1, 1, 8, 3);
+  sc.cluster.nodes = 2;
+  sc.cluster.gpus_per_node = 4;
+  sc.zero.quantized_weights = qwz;
+  sc.zero.quantized_gradients = qgz;
+  sc.zero.hpz_partition_size = hpz;
+  return sc;
+}
+std::vector<const Instruction*> of(const RankProgram& rp, Op op, Purpose pu) {
+  std::vector<const Instruction*> v;
+  for (const Instruction& in : rp.instructions)
+    if (in.op == op && in.purpose == pu) v.push_back(&in);
+  return v;
+}
+}  // namespace
+
+TEST_CASE("program: communication_data_type sets the bytes of the DP gradient reduction", "[program][deepspeed]") {
+  for (int stage : {0, 2, 3}) {
+    Scenario sc = tiny(1, 1, 4, stage);
+    const Program base = build_program(sc);
+    sc.precision.communication_dtype = Dtype::fp32;
+    const Program p = build_program(sc);
+    check_program(p);
+    INFO("stage " << stage);
+    // bf16 compute, fp32 on the wire: twice the bytes, nothing else changes
+    CHECK(wire(p, p.ranks[1], Purpose::GradientReduce) == Approx(2 * wire(base, base.ranks[1], Purpose::GradientReduce)));
+    CHECK(wire(p, p.ranks[1], Purpose::ParamGather) == Approx(wire(base, base.ranks[1], Purpose::ParamGather)));
+    if (stage == 2) {
+      const double psi = parameter_count(sc.model);
+      CHECK(wire(p, p.ranks[1], Purpose::GradientReduce) == Approx(4 * psi * 4 * 3 / 4));  // 4 micro-steps, 4 B
+    }
+    sc.precision.communication_dtype = Dtype::bf16;  // = the compute dtype: the default
+    const Program same = build_program(sc);
+    CHECK(wire(same, same.ranks[1], Purpose::GradientReduce) == Approx(wire(base, base.ranks[1], Purpose::GradientReduce)));
+  }
+}
+
+TEST_CASE("program: ZeRO++ qwZ gathers int8 weights plus one fp32 scale per 8000-element block", "[program][zeropp]") {
+  const Program base = build_program(zpp(false, false, 1));
+  const Program p = build_program(zpp(true, false, 1));
+  check_program(p);
+  for (int r : {0, 5}) {
+    const auto b = of(base.ranks[r], Op::AllGather, Purpose::ParamGather);
+    const auto q = of(p.ranks[r], Op::AllGather, Purpose::ParamGather);
+    REQUIRE(b.size() == q.size());
+    REQUIRE(!b.empty());
+    for (size_t i = 0; i < b.size(); ++i) {
+      const double shard = b[i]->bytes / 2 / 8;  // bf16, 8 ranks
+      CHECK(q[i]->group == b[i]->group);
+      CHECK(q[i]->bytes == Approx((shard + 4 * std::ceil(shard / 8000)) * 8));
+      CHECK(q[i]->bytes < 0.51 * b[i]->bytes);
+    }
+    // gradients untouched
+    CHECK(wire(p, p.ranks[r], Purpose::GradientReduce) == Approx(wire(base, base.ranks[r], Purpose::GradientReduce)));
+  }
+}
+
+TEST_CASE("program: ZeRO++ qgZ replaces the reduce-scatter by int4 all-to-alls within then across nodes", "[program][zeropp]") {
+  const Program base = build_program(zpp(false, false, 1));
+  const Program p = build_program(zpp(false, true, 1));
+  check_program(p);
+  for (int r : {0, 6}) {
+    const auto rs = of(base.ranks[r], Op::ReduceScatter, Purpose::GradientReduce);
+    const auto a2a = of(p.ranks[r], Op::AllToAll, Purpose::GradientReduce);
+    REQUIRE(!rs.empty());
+    CHECK(of(p.ranks[r], Op::ReduceScatter, Purpose::GradientReduce).empty());
+    REQUIRE(a2a.size() == 2 * rs.size());
+    for (size_t i = 0; i < rs.size(); ++i) {
+      const double elems = rs[i]->bytes / 2;
+      const Instruction& intra = *a2a[2 * i];
+      const Instruction& inter = *a2a[2 * i + 1];
+      CHECK(intra.bytes == Approx(elems * 0.5));     // int4 of the whole bucket, 4 ranks of the node
+      CHECK(inter.bytes == Approx(elems * 0.5 / 4));  // int4 of the node's quarter, across 2 nodes
+      const Group& gi = p.groups[intra.group];
+      const Group& ge = p.groups[inter.group];
+      CHECK(gi.kind == GroupKind::DPIntra);
+      CHECK(gi.ranks == std::vector<int>{r / 4 * 4, r / 4 * 4 + 1, r / 4 * 4 + 2, r / 4 * 4 + 3});
+      CHECK(ge.kind == GroupKind::DPInter);
+      CHECK(ge.ranks == std::vector<int>{r % 4, r % 4 + 4});
+    }
+    // on the wire: 3/4 * N/2 over NVLink, 1/2 * N/8 across nodes, vs 7/8 * 2N for the reduce-scatter
+    const double n = rs.size() ? [&] { double s = 0; for (auto* in : rs) s += in->bytes / 2; return s; }() : 0;
+    CHECK(wire(p, p.ranks[r], Purpose::GradientReduce) == Approx(0.75 * n * 0.5 + 0.5 * n * 0.5 / 4));
+    CHECK(wire(base, base.ranks[r], Purpose::GradientReduce) == Approx(7.0 / 8 * 2 * n));
+  }
+}
+
+TEST_CASE("program: ZeRO++ hpZ gathers the backward's parameters within the node", "[program][zeropp]") {
+  const Program base = build_program(zpp(false, false, 1));
+  const Program p = build_program(zpp(false, false, 4));
+  check_program(p);
+  const Scenario sc = zpp(false, false, 4);
+  const RankProgram& rp = p.ranks[5];
+  const auto b = of(base.ranks[5], Op::AllGather, Purpose::ParamGather);
+  const auto g = of(rp, Op::AllGather, Purpose::ParamGather);
+  REQUIRE(b.size() == g.size());
+  int intra = 0, full = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Group& grp = p.groups[g[i]->group];
+    if (grp.kind == GroupKind::DPIntra) {
+      ++intra;
+      CHECK(grp.ranks == std::vector<int>{4, 5, 6, 7});  // rank 5's node
+      for (int m : grp.ranks) CHECK(m / sc.cluster.gpus_per_node == 5 / sc.cluster.gpus_per_node);
+      // the secondary shard is ceil(numel / 4) per rank: the same layer, padded to 4 ranks
+      CHECK(g[i]->bytes <= b[i]->bytes);
+      CHECK(g[i]->bytes >= b[i]->bytes - 2.0 * 8 * 8);
+    } else {
+      ++full;
+      CHECK(grp.kind == GroupKind::DP);
+      CHECK(g[i]->bytes == b[i]->bytes);
+    }
+  }
+  CHECK(intra == full);  // forward gathers over the DP group, backward ones within the node
+  CHECK(intra == 4 * sc.model.layers);
+  // with qwZ too, the secondary gathers are quantized as well
+  const Program q = build_program(zpp(true, true, 4));
+  check_program(q);
+  const auto qg = of(q.ranks[5], Op::AllGather, Purpose::ParamGather);
+  REQUIRE(qg.size() == g.size());
+  for (size_t i = 0; i < qg.size(); ++i) {
+    CHECK(qg[i]->group == g[i]->group);
+    const double shard = g[i]->bytes / 2 / p.groups[g[i]->group].ranks.size();
+    CHECK(qg[i]->bytes == Approx((shard + 4 * std::ceil(shard / 8000)) * p.groups[g[i]->group].ranks.size()));
+  }
+}
+
+TEST_CASE("program: ZeRO++ stage representatives carry every rank's sub-groups", "[program][zeropp]") {
+  BuildOptions o;
+  o.representative_only = true;
+  const Program p = build_program(zpp(true, true, 4), o);
+  int intra = 0, inter = 0;
+  for (const Group& g : p.groups) {
+    intra += g.kind == GroupKind::DPIntra;
+    inter += g.kind == GroupKind::DPInter;
+  }
+  CHECK(intra == 2);  // nodes 0 and 1 (hpZ's 4 = qgZ's node-local 4: the same groups)
+  CHECK(inter == 4);  // one per position in the node
+}
