@@ -118,6 +118,13 @@ int verb_run(int argc, char** argv) {
   try {
     lo.gpus = tb::env_has_rank() ? tb::env_world_size() : (nproc > 0 ? nproc : 0);
     sc = load_scenario(file, lo);
+    // ZeRO++ changes the Program's stage-3 collectives (quantized gathers, all-to-all gradient
+    // reduction, intra-node secondary gathers), which the torch engine does not implement.
+    if (sc.zero.quantized_weights || sc.zero.quantized_gradients || sc.zero.hpz())
+      throw ConfigError("the torch backend does not implement ZeRO++ (zero.quantized_weights / ds_config "
+                        "zero_quantized_weights, zero.quantized_gradients / zero_quantized_gradients, "
+                        "zero.hpz_partition_size / zero_hpz_partition_size): simulate it with 'dssim scenario', "
+                        "or turn the keys off to train the plain ZeRO-3 run");
   } catch (const ConfigError& e) {
     std::fprintf(stderr, "dssim run: %s\n", e.what());
     return 2;
