@@ -64,14 +64,14 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<Work> allreduce(at::Tensor& t, Purpose p) override {
     count(Op::AllReduce, p, double(t.numel() * t.element_size()));
     std::vector<at::Tensor> v{t};
-    return wrap(pg_->allreduce(v), nullptr);
+    return wrap(issue([&] { return pg_->allreduce(v); }), nullptr);
   }
   std::shared_ptr<Work> allreduce_max(at::Tensor& t, Purpose p) override {
     count(Op::AllReduce, p, double(t.numel() * t.element_size()));
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
-    return wrap(pg_->allreduce(v, o), nullptr);
+    return wrap(issue([&] { return pg_->allreduce(v, o); }), nullptr);
   }
   std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, Purpose p) override {
     TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: input must be size x output");
@@ -80,7 +80,7 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> v{tmp};
     at::Tensor o = out;
     const int64_t n = out.numel(), r = rank_;
-    return wrap(pg_->allreduce(v), [tmp, o, n, r]() mutable {
+    return wrap(issue([&] { return pg_->allreduce(v); }), [tmp, o, n, r]() mutable {
       o.view({-1}).copy_(tmp.view({-1}).narrow(0, r * n, n));
     });
   }
@@ -91,26 +91,27 @@ class GlooCommunicator final : public Communicator {
     auto flat = out.view({-1});
     for (int r = 0; r < size_; ++r) outs[0].push_back(flat.narrow(0, r * in.numel(), in.numel()));
     std::vector<at::Tensor> ins{in.contiguous().view({-1})};
-    return wrap(pg_->allgather(outs, ins), nullptr);
+    return wrap(issue([&] { return pg_->allgather(outs, ins); }), nullptr);
   }
   std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf,
                                          const std::vector<std::pair<int64_t, int64_t>>& owners,
                                          Purpose p) override {
     count(Op::ReduceScatter, p, double(buf.numel() * buf.element_size()));
     std::vector<at::Tensor> v{buf};
-    return wrap(pg_->allreduce(v), nullptr);
+    return wrap(issue([&] { return pg_->allreduce(v); }), nullptr);
   }
   std::shared_ptr<Work> broadcast(at::Tensor& t, int root, Purpose p) override {
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    return wrap(pg_->broadcast(v, o), nullptr);
+    return wrap(issue([&] { return pg_->broadcast(v, o); }), nullptr);
   }
   std::shared_ptr<Work> send(const at::Tensor& t, int peer, int tag, Purpose p) override {
     check_peer(t, peer, "send");
     count(Op::Send, p, double(t.numel() * t.element_size()));
     std::vector<at::Tensor> v{t.contiguous()};  // SendWork keeps it alive
-    return wrap(pg_->send(v, peer, tag), nullptr, "send to rank " + std::to_string(peer));
+    return wrap(issue([&] { return pg_->send(v, peer, tag); }, "send to rank " + std::to_string(peer)), nullptr,
+                "send to rank " + std::to_string(peer));
   }
   std::shared_ptr<Work> recv(at::Tensor& t, int peer, int tag, Purpose p) override {
     check_peer(t, peer, "recv");
@@ -119,7 +120,8 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> v{direct ? t : at::empty_like(t, at::MemoryFormat::Contiguous)};
     std::function<void()> then;
     if (!direct) then = [dst = t, tmp = v[0]]() mutable { dst.copy_(tmp); };
-    return wrap(pg_->recv(v, peer, tag), std::move(then), "recv from rank " + std::to_string(peer));
+    return wrap(issue([&] { return pg_->recv(v, peer, tag); }, "recv from rank " + std::to_string(peer)), std::move(then),
+                "recv from rank " + std::to_string(peer));
   }
   std::unique_ptr<Communicator> subgroup(const std::vector<int>& ranks, bool) override {
     SubgroupSpec spec = subgroup_spec(ranks, "dssim/g");
@@ -155,6 +157,17 @@ class GlooCommunicator final : public Communicator {
       throw std::invalid_argument(std::string("gloo ") + what + ": bad peer " + std::to_string(peer) +
                                   " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")");
     TORCH_CHECK(t.device().is_cpu(), "gloo ", what, ": CPU tensors only");
+  }
+  // Issuing can fail at once (a peer's connection already closed): the same CommError as a wait.
+  template <class F>
+  static c10::intrusive_ptr<c10d::Work> issue(F&& f, const std::string& what = "collective") {
+    try {
+      return f();
+    } catch (const c10::Error& e) {
+      throw CommError("gloo " + what + " failed (a peer rank died or timed out): " + e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw CommError("gloo " + what + " failed (a peer rank died or timed out): " + e.what());
+    }
   }
   std::shared_ptr<Work> wrap(c10::intrusive_ptr<c10d::Work> w, std::function<void()> then,
                              std::string what = "collective") {

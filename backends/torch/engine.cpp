@@ -1172,6 +1172,26 @@ class Engine {
     return at::cat(out);
   }
 
+  // Every rank's bytes per (op, purpose) over the measured steps are its Program's (the report
+  // shows rank 0's): a difference on any rank is an error, so a run that passes moved exactly what
+  // the Program says. Control traffic (purpose none) is not the Program's.
+  void verify_bytes() const {
+    std::map<std::string, double> got;
+    for (const auto& [k, v] : world_.counters().bytes)
+      if (k.second != Purpose::None) got[counter_key(k.first, k.second)] += v;
+    for (const auto& [k, v] : copy_bytes_) got[counter_key(k.first, k.second)] += v;
+    std::map<std::string, double> all = expected_;
+    for (const auto& [k, v] : got) all.emplace(k, 0.0);
+    for (const auto& [k, want] : all) {
+      const auto it = got.find(k);
+      const double have = it == got.end() ? 0.0 : it->second;
+      if (std::abs(have - want) > 0.5)
+        throw std::runtime_error("Program/engine mismatch on rank " + std::to_string(rank_) + ": " + k + " moved " +
+                                 std::to_string(have) + " bytes over the measured steps, the Program says " +
+                                 std::to_string(want));
+    }
+  }
+
   // ---- the step -----------------------------------------------------------------------------
   static double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -1460,6 +1480,7 @@ EngineResult Engine::run() {
       save_checkpoint();
   }
   if (!o_.checkpoint_dir.empty()) save_checkpoint();
+  if (!res.step_seconds.empty()) verify_bytes();
   if (!o_.dump_params.empty()) dump_params();
   res.measured_steps = int(res.step_seconds.size());
   res.seconds_by_op = seconds_by_op_;
