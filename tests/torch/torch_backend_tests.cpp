@@ -304,13 +304,18 @@ TEST_CASE("ZeRO-3 on one rank: parameters held once, per-layer gradient fold, of
   Result s1 = run(base + " --set zero.stage=1", one);
   Result s3 = run(base + " --set zero.stage=3", one);
   Result s3o = run(base + " --set zero.stage=3 --set zero.offload_optimizer=true", one);
-  for (const Result* r : {&s1, &s3, &s3o}) {
+  // Parameters offloaded too: each layer is fetched (CopyH2D) before use and must be the updated
+  // one (the resident layers were once left stale after step 1, on one rank).
+  Result s3p = run(base + " --set zero.stage=3 --set zero.offload_optimizer=true --set zero.offload_param=true", one);
+  for (const Result* r : {&s1, &s3, &s3o, &s3p}) {
     INFO(r->err);
     REQUIRE(r->code == 0);
   }
   require_bytes_match(s3o);  // one rank has no collectives; the offload copies are the Program's
+  require_bytes_match(s3p);
   CHECK(max_rel_diff(losses(s1), losses(s3)) <= 1e-6);
   CHECK(max_rel_diff(losses(s3), losses(s3o)) <= 1e-6);
+  CHECK(max_rel_diff(losses(s3), losses(s3p)) <= 1e-6);
   // The shard is the whole model and is used in place: no second, gathered copy.
   const double p1 = measured(s1).at("memory_bytes").at("params"), p3 = measured(s3).at("memory_bytes").at("params");
   CHECK(p3 == Approx(p1).epsilon(1e-3));
