@@ -944,12 +944,22 @@ class Engine {
     }
     if (sc_.parallel.tp == 1 && sc_.parallel.pp == 1) return;
     if (stage_ > 2) throw std::logic_error("gradient norm weights: ZeRO-3 with tp / pp > 1");
-    auto w = at::ones({part_.padded_numel}, at::TensorOptions().dtype(at::kFloat));
-    if (coord_.tp != 0)
-      for (const auto& [off, n] : replicated_ranges_) w.narrow(0, off, n).zero_();
+    // Excluded ranges of the flat layout, then the counted rest of this rank's accumulator.
+    std::vector<std::pair<int64_t, int64_t>> excluded;
+    if (coord_.tp != 0) excluded = replicated_ranges_;
     if (layout_.owns(cfg_.head_copy_unit()))
-      w.narrow(0, unit_offset(cfg_.head_copy_unit()), unit_numel(cfg_, cfg_.head_copy_unit())).zero_();
-    norm_weight_ = (stage_ == 0 ? w : w.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).clone()).to(state_device_);
+      excluded.push_back({unit_offset(cfg_.head_copy_unit()), unit_numel(cfg_, cfg_.head_copy_unit())});
+    std::sort(excluded.begin(), excluded.end());
+    const int64_t base = stage_ == 0 ? 0 : part_.shard(dpr_).begin;
+    const int64_t end = base + (stage_ == 0 ? part_.padded_numel : part_.shard_numel);
+    int64_t at = base;
+    for (const auto& [off, n] : excluded) {
+      const int64_t b = std::clamp(off, base, end), e = std::clamp(off + n, base, end);
+      if (b > at) norm_ranges_.push_back({at - base, b - at});
+      at = std::max(at, e);
+    }
+    if (end > at) norm_ranges_.push_back({at - base, end - at});
+    norm_by_ranges_ = true;
   }
 
   // ---- optimizer ----------------------------------------------------------------------------
@@ -973,13 +983,17 @@ class Engine {
     const double inv_scale = 1.0 / scaler_.scale();
     const double clip = sc_.training.gradient_clipping;
     // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else,
-    // and over pipeline stages and TP slices, each parameter counted once (norm_weight_).
+    // and over pipeline stages and TP slices, each parameter counted once (norm_ranges_).
     // Needed for clipping and fp16 overflow detection only (it costs a pass and a host sync).
     double norm2 = 0;
     if (clip > 0 || fp16_ || inject) {
       at::Tensor sumsq;
-      if (norm_weight_.defined()) sumsq = (acc.square() * norm_weight_.to(acc.device())).sum();
-      else sumsq = sum_of_squares(acc);
+      if (!norm_by_ranges_) {
+        sumsq = sum_of_squares(acc);
+      } else {  // the counted ranges only, without a full-size temporary
+        sumsq = at::zeros({}, acc.options());
+        for (const auto& [off, n] : norm_ranges_) sumsq.add_(sum_of_squares(acc.narrow(0, off, n)));
+      }
       sumsq = sumsq.mul_(inv_scale * inv_scale).reshape({1});
       if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) {
         if (stage_ == 0 && dpr_ != 0) sumsq.zero_();  // its data-parallel replica 0 counts the whole
@@ -1358,7 +1372,9 @@ class Engine {
   double tp_comm_seconds_ = 0;  // while measuring
   std::map<int64_t, at::Tensor> send_grad_;          // by slot_key: input gradients to send
   std::vector<std::pair<int64_t, int64_t>> replicated_ranges_;  // TP-replicated tensors in the flat layout
-  at::Tensor norm_weight_;  // 1 where this rank counts a gradient in the global norm (tp / pp > 1)
+  // tp / pp > 1: the ranges of the accumulator this rank counts in the global norm.
+  std::vector<std::pair<int64_t, int64_t>> norm_ranges_;
+  bool norm_by_ranges_ = false;
   int micro_batch_ = 1, grad_accum_ = 1;
   bool recompute_attention_ = false;
   bool checkpoint_activations_ = false, offload_ = false, offload_param_ = false;
