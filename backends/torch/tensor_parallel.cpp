@@ -99,40 +99,23 @@ at::Tensor TensorParallel::reduce_scatter_seq(const at::Tensor& x) {
 }
 
 namespace {
-struct CopyToTp : torch::autograd::Function<CopyToTp> {
+// One autograd function per (forward, backward) pair of the TP region's collectives; nullptr is
+// the identity (f: identity / all-reduce, g: all-reduce / identity, and the sequence-parallel pair).
+using Collective = at::Tensor (TensorParallel::*)(const at::Tensor&);
+template <Collective Forward, Collective Backward>
+struct TpRegion : torch::autograd::Function<TpRegion<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
     ctx->saved_data["tp"] = tp;
-    return x.view_as(x);
+    return Forward ? (context(ctx).*Forward)(x) : x.view_as(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {context(ctx).all_reduce(g[0]), at::Tensor()};
+    return {Backward ? (context(ctx).*Backward)(g[0]) : g[0], at::Tensor()};
   }
 };
-struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    ctx->saved_data["tp"] = tp;
-    return context(ctx).all_reduce(x);
-  }
-  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
-};
-struct GatherFromSp : torch::autograd::Function<GatherFromSp> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    ctx->saved_data["tp"] = tp;
-    return context(ctx).all_gather_seq(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {context(ctx).reduce_scatter_seq(g[0]), at::Tensor()};
-  }
-};
-struct ScatterToSp : torch::autograd::Function<ScatterToSp> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    ctx->saved_data["tp"] = tp;
-    return context(ctx).reduce_scatter_seq(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {context(ctx).all_gather_seq(g[0]), at::Tensor()};
-  }
-};
+using CopyToTp = TpRegion<nullptr, &TensorParallel::all_reduce>;
+using ReduceFromTp = TpRegion<&TensorParallel::all_reduce, nullptr>;
+using GatherFromSp = TpRegion<&TensorParallel::all_gather_seq, &TensorParallel::reduce_scatter_seq>;
+using ScatterToSp = TpRegion<&TensorParallel::reduce_scatter_seq, &TensorParallel::all_gather_seq>;
 int64_t handle(TensorParallel& tp) { return int64_t(reinterpret_cast<intptr_t>(&tp)); }
 }  // namespace
 
