@@ -35,6 +35,7 @@
 #include "core/grid.hpp"
 #include "core/schedule.hpp"
 #include "core/zero_partition.hpp"
+#include "core/zero3_placement.hpp"
 
 namespace dssim {
 namespace {
@@ -112,6 +113,8 @@ struct StagePlan {
   std::vector<BucketRef> buckets;  // reduction order
   // Stage 3: gather groups per global layer (index into dense/expert.stage3_groups, -1 none).
   std::map<int, int> s3_dense, s3_expert;
+  // Stage 3: all-gather calls the engine issues for each group (core/zero3_placement.hpp).
+  std::vector<int> s3_dense_calls, s3_expert_calls;
   std::vector<Action> actions;
 };
 
@@ -402,6 +405,7 @@ class Builder {
       sp->alignment = zero_ == 0 ? 1 : 2;
       sp->reduce_bucket_size = std::max<int64_t>(0, sc_.zero.reduce_bucket_size);
       sp->allgather_bucket_size = std::max<int64_t>(0, sc_.zero.allgather_bucket_size);
+      sp->bucket_per_layer = zero_ == 3 && sc_.zero.engine == ZeroEngine::fsdp;
     }
     plan.dense = make_zero_partition(dspec);
     plan.has_expert = !espec.numel.empty();
@@ -455,6 +459,17 @@ class Builder {
       return std::make_tuple(-a.chunk, -a.layer, a.expert) < std::make_tuple(-b.chunk, -b.layer, b.expert);
     });
     plan.buckets = refs;
+    const auto fetch_calls = [&](const ZeroPartition& z, const ZeroPartitionSpec& sp) {
+      std::vector<int> calls;
+      for (const Stage3Group& g : z.stage3_groups) {
+        std::vector<int64_t> numel;
+        for (int i : g.tensors) numel.push_back(sp.numel[i]);
+        calls.push_back(std::max(1, zero3_fetch_calls(numel, sc_.zero)));
+      }
+      return calls;
+    };
+    plan.s3_dense_calls = fetch_calls(plan.dense, dspec);
+    if (plan.has_expert) plan.s3_expert_calls = fetch_calls(plan.expert, espec);
     for (size_t k = 0; k < plan.dense.stage3_groups.size(); ++k) plan.s3_dense[plan.dense.stage3_groups[k].layer] = int(k);
     if (plan.has_expert)
       for (size_t k = 0; k < plan.expert.stage3_groups.size(); ++k)
@@ -763,9 +778,8 @@ class Builder {
     while (x.ag_emitted < segs.size()) {
       const size_t j = x.ag_emitted;
       if (j > k) {
-        // DeepSpeed keeps prefetching while less than prefetch_bucket_size elements are in flight.
-        // prefetch_bucket_size 0 turns prefetching off (partitioned_param_coordinator.py).
-        if ((j > k + 1 || sc_.zero.prefetch_bucket_size == 0) && window + seg_elems(j) > sc_.zero.prefetch_bucket_size) break;
+        // How far ahead the engine prefetches (core/zero3_placement.hpp).
+        if (!zero3_prefetch(sc_.zero, int(j - k), window, seg_elems(j))) break;
         window += seg_elems(j);
       }
       auto [lb, lc] = seg_layers(j);
@@ -795,12 +809,15 @@ class Builder {
             in.layer_count = 1;
             in.group = grp;
             in.bucket = it->second;
-            in.bytes = s3_gather_bytes(sg.shard_numel, z.dp);
+            // The engine's fetches of this layer: `repeat` all-gathers that together move the
+            // group (the torch backend gathers the group in one call of the same bytes).
+            in.repeat = (expert ? plan.s3_expert_calls : plan.s3_dense_calls)[it->second];
+            in.bytes = s3_gather_bytes(sg.shard_numel, z.dp) / in.repeat;
             // hpZ: backward (and its recompute) gathers the secondary partition, kept after the
             // forward gather, within the node (DeepSpeed's ds_secondary_tensor); dense only.
             if (!r.forward && !expert && x.hpz_g >= 0) {
               in.group = x.hpz_g;
-              in.bytes = s3_gather_bytes((sg.numel + hpz_ - 1) / hpz_, hpz_);
+              in.bytes = s3_gather_bytes((sg.numel + hpz_ - 1) / hpz_, hpz_) / in.repeat;
             }
             last = add(x, in, {fetch});
           }

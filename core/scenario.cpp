@@ -11,6 +11,8 @@ const char* to_string(Dtype d) {
   return "?";
 }
 
+const char* to_string(ZeroEngine e) { return e == ZeroEngine::fsdp ? "fsdp" : "deepspeed"; }
+
 const char* to_string(Recompute r) {
   switch (r) {
     case Recompute::none: return "none";

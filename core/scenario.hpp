@@ -64,8 +64,14 @@ struct ParallelSpec {
   int world() const { return tp * pp * dp; }
 };
 
+// Which engine runs ZeRO-3: DeepSpeed's (per-submodule fetches, prefetch bucket) or PyTorch
+// FSDP's (one all-gather / reduce-scatter per wrapped block); core/zero3_placement.hpp.
+enum class ZeroEngine { deepspeed, fsdp };
+const char* to_string(ZeroEngine);
+
 struct ZeroSpec {
   int stage = 0;                   // 0..3
+  ZeroEngine engine = ZeroEngine::deepspeed;
   bool offload_optimizer = false;  // optimizer states + step on the host (ZeRO-Offload)
   bool offload_param = false;      // stage 3 only: parameters live on the host
   bool overlap_comm = true;
@@ -153,6 +159,9 @@ struct ClusterSpec {
   int fat_tree_levels = 2;
   double oversubscription = 1.0;     // 1 = non-blocking
   double switch_latency = 0.5e-6;    // per switch hop
+  // Host CPU vendor, intel | amd: NCCL's tuner charges inter-node ring steps a network-proxy
+  // overhead of 1 us on Intel hosts and 2 us on AMD hosts (core/collective_model.cpp).
+  std::string host_cpu = "intel";
   double host_memory_bytes = 1024e9; // per node
   double host_memory_bandwidth = 100e9;  // bytes/s per node (CPU optimizer step is bound by it)
   // A measured device profile (core/device_profile.hpp, written by `dssim calibrate`) the device

@@ -226,6 +226,9 @@ const std::vector<Field>& fields() {
     });
     add("zero.offload_optimizer", [](Scenario& s, const Entry& e) { s.zero.offload_optimizer = get_bool(e); });
     add("zero.offload_param", [](Scenario& s, const Entry& e) { s.zero.offload_param = get_bool(e); });
+    add("zero.engine", [](Scenario& s, const Entry& e) {
+      s.zero.engine = get_enum(e, {"deepspeed", "fsdp"}) == "fsdp" ? ZeroEngine::fsdp : ZeroEngine::deepspeed;
+    });
     add("zero.overlap_comm", [](Scenario& s, const Entry& e) { s.zero.overlap_comm = get_bool(e); });
     add("zero.reduce_bucket_size", [](Scenario& s, const Entry& e) { s.zero.reduce_bucket_size = get_int(e, 0); });
     add("zero.allgather_bucket_size", [](Scenario& s, const Entry& e) { s.zero.allgather_bucket_size = get_int(e, 0); });
@@ -280,6 +283,7 @@ const std::vector<Field>& fields() {
     add("cluster.topology", [](Scenario& s, const Entry& e) { s.cluster.topology = get_enum(e, {"fat_tree", "star"}); });
     add("cluster.fat_tree_levels", [](Scenario& s, const Entry& e) { s.cluster.fat_tree_levels = get_int32(e, 1); });
     add("cluster.oversubscription", [](Scenario& s, const Entry& e) { s.cluster.oversubscription = get_number(e, D::None, 1); });
+    add("cluster.host_cpu", [](Scenario& s, const Entry& e) { s.cluster.host_cpu = get_enum(e, {"intel", "amd"}); });
     add("cluster.switch_latency", [](Scenario& s, const Entry& e) { s.cluster.switch_latency = get_non_negative(e, D::Time); });
     add("cluster.host_memory", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bytes = get_positive(e, D::Bytes); });
     add("cluster.host_memory_bandwidth", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bandwidth = get_positive(e, D::Bandwidth); });
@@ -801,7 +805,8 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::EndMap;
   const auto& z = s.zero;
   y << YAML::Key << "zero" << YAML::Value << YAML::BeginMap;
-  y << YAML::Key << "stage" << YAML::Value << z.stage << YAML::Key << "offload_optimizer" << YAML::Value << z.offload_optimizer;
+  y << YAML::Key << "stage" << YAML::Value << z.stage << YAML::Key << "engine" << YAML::Value << to_string(z.engine);
+  y << YAML::Key << "offload_optimizer" << YAML::Value << z.offload_optimizer;
   y << YAML::Key << "offload_param" << YAML::Value << z.offload_param << YAML::Key << "overlap_comm" << YAML::Value << z.overlap_comm;
   y << YAML::Key << "reduce_bucket_size" << YAML::Value << z.reduce_bucket_size;
   y << YAML::Key << "allgather_bucket_size" << YAML::Value << z.allgather_bucket_size;
@@ -835,6 +840,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "name" << YAML::Value << c.name;
   y << YAML::Key << "nodes" << YAML::Value << c.nodes << YAML::Key << "gpus_per_node" << YAML::Value << c.gpus_per_node;
   y << YAML::Key << "intra_node" << YAML::Value << c.intra_node << YAML::Key << "nics_per_node" << YAML::Value << c.nics_per_node;
+  y << YAML::Key << "host_cpu" << YAML::Value << c.host_cpu;
   y << YAML::Key << "nic_bandwidth" << YAML::Value << c.nic_bandwidth << YAML::Key << "nic_latency" << YAML::Value << c.nic_latency;
   y << YAML::Key << "topology" << YAML::Value << c.topology << YAML::Key << "fat_tree_levels" << YAML::Value << c.fat_tree_levels;
   y << YAML::Key << "oversubscription" << YAML::Value << c.oversubscription << YAML::Key << "switch_latency" << YAML::Value << c.switch_latency;

@@ -27,38 +27,39 @@ bool CollectivePlanner::is_closed_form(Op op, const std::vector<int>& ranks) con
 }
 
 // A ring over `members` (in ring order): each member sends `volume_per_rank` bytes to its successor
-// over `steps` ring steps.
+// over `steps` ring steps, then `after` (NCCL's latency) elapses.
 void CollectivePlanner::ring(std::vector<Phase>& out, const std::vector<int>& members, double volume,
-                             int steps, double before, double after) const {
+                             int steps, double min_seconds, double after) const {
   const size_t n = members.size();
   if (n <= 1 || steps <= 0) {
     Phase p;
-    p.before_seconds = before;
+    p.min_seconds = min_seconds;
     p.after_seconds = after;
     out.push_back(p);
     return;
   }
   std::vector<Flow> hop(n);
-  double alpha = 0;  // the slowest hop's route latency: what each extra ring step costs
+  double alpha = 0;  // the flows pay the slowest hop's route latency themselves
   for (size_t i = 0; i < n; ++i) {
     auto [s, d] = platform.endpoints(members[i], members[(i + 1) % n]);
     hop[i] = {s, d, 0};
     alpha = std::max(alpha, route_latency(s, d));
   }
+  after = std::max(0.0, after - alpha);
   if (detail == CollectiveDetail::Phase) {
     Phase p;
-    p.before_seconds = before;
     p.flows = hop;
     for (auto& f : p.flows) f.bytes = volume;
-    p.after_seconds = (steps - 1) * alpha + after;
+    p.min_seconds = min_seconds;
+    p.after_seconds = after;
     out.push_back(std::move(p));
     return;
   }
   for (int s = 0; s < steps; ++s) {
     Phase p;
-    if (s == 0) p.before_seconds = before;
     p.flows = hop;
     for (auto& f : p.flows) f.bytes = volume / steps;
+    p.min_seconds = min_seconds / steps;
     if (s == steps - 1) p.after_seconds = after;
     out.push_back(std::move(p));
   }
@@ -85,6 +86,8 @@ CommPlan CollectivePlanner::collective(Op op, double bytes, const std::vector<in
     plan.phases.push_back(std::move(p));
     return plan;
   }
+  const NcclChoice ch = nccl_choice(cluster, op, bytes, ranks);
+  const double wire = ch.wire_factor;
   // Layout: members per node, in ring order.
   std::map<int, std::vector<int>> by_node;
   for (int r : ranks) by_node[platform.node_of(r)].push_back(r);
@@ -93,68 +96,48 @@ CommPlan CollectivePlanner::collective(Op op, double bytes, const std::vector<in
   bool uniform = true;
   for (auto& [node, v] : by_node) uniform = uniform && v.size() == m;
   const double frac = double(n - 1) / n;
+  const double passes = op == Op::AllReduce ? 2 : 1;
   if (nodes > 1 && m > 1 && uniform) {
-    // Hierarchical: intra-node closed form around one inter-node ring per rail.
-    const std::vector<int>& local0 = by_node.begin()->second;
+    // Rail-optimized rings: the network part is an n-node ring on each of the m rails over S/m;
+    // the NVLink hops carry every rank's whole ring volume concurrently.
     const int nn = nodes;
     const double nfrac = double(nn - 1) / nn;
-    const double shard = bytes / m;
-    double before = 0, after = 0;
-    double volume = 0;
-    int steps = 0;
-    switch (op) {
-      case Op::AllReduce:
-        before = collective_seconds(cluster, Op::ReduceScatter, bytes, local0);
-        after = collective_seconds(cluster, Op::AllGather, bytes, local0);
-        volume = 2 * nfrac * shard; steps = 2 * (nn - 1);
-        break;
-      case Op::ReduceScatter:
-        before = collective_seconds(cluster, Op::ReduceScatter, bytes, local0);
-        volume = nfrac * shard; steps = nn - 1;
-        break;
-      default:  // AllGather
-        after = collective_seconds(cluster, Op::AllGather, bytes, local0);
-        volume = nfrac * shard; steps = nn - 1;
-        break;
-    }
+    const double volume = passes * nfrac * bytes / m * wire;
+    const int steps = int(passes) * (nn - 1);
+    const double nvlink = cluster.intra_node == "pcie" ? cluster.gpu.pcie_bandwidth : cluster.gpu.nvlink_achieved();
+    const double intra = nvlink > 0 ? passes * frac * bytes * wire / nvlink : 0.0;
     // One ring per local position j; they run concurrently, so merge them phase by phase.
     std::vector<std::vector<Phase>> rings(m);
     for (size_t j = 0; j < m; ++j) {
       std::vector<int> members;
       for (auto& [node, v] : by_node) members.push_back(v[j]);
-      ring(rings[j], members, volume, steps, before, after);
+      ring(rings[j], members, volume, steps, intra, ch.latency);
     }
     for (size_t k = 0; k < rings[0].size(); ++k) {
       Phase p = rings[0][k];
-      for (size_t j = 1; j < m; ++j) {
-        p.flows.insert(p.flows.end(), rings[j][k].flows.begin(), rings[j][k].flows.end());
-        p.after_seconds = std::max(p.after_seconds, rings[j][k].after_seconds);
-      }
+      for (size_t j = 1; j < m; ++j) p.flows.insert(p.flows.end(), rings[j][k].flows.begin(), rings[j][k].flows.end());
       plan.phases.push_back(std::move(p));
     }
     return plan;
   }
-  if (op == Op::AllReduce && tree_allreduce_wins(cluster, bytes, ranks)) {
-    tree_allreduce(plan.phases, ranks, bytes);
+  if (ch.algo == NcclAlgo::Tree) {
+    tree_allreduce(plan.phases, ranks, bytes * wire, ch.latency);
     return plan;
   }
-  const double volume = (op == Op::AllReduce ? 2 : 1) * frac * bytes;
   const int steps = op == Op::AllReduce ? 2 * (n - 1) : n - 1;
-  ring(plan.phases, ranks, volume, steps, 0, 0);
+  ring(plan.phases, ranks, passes * frac * bytes * wire, steps, 0, ch.latency);
   return plan;
 }
 
 // NCCL's double binary tree: two complementary binary trees over the members, each carrying half
 // the data, so that every rank sends and receives about S in the reduce phase (children to
 // parents) and again in the broadcast (parents to children). Both phases are pipelined: the flows
-// of a phase run concurrently, and the phase adds the latency of the tree's remaining levels.
+// of a phase run concurrently, and each adds half of NCCL's latency.
 void CollectivePlanner::tree_allreduce(std::vector<Phase>& out, const std::vector<int>& members,
-                                       double bytes) const {
+                                       double bytes, double latency) const {
   const int n = static_cast<int>(members.size());
-  const double depth = std::ceil(std::log2(double(n)));
   auto parent_a = [](int i) { return (i - 1) / 2; };                      // tree over 0..n-1
   auto parent_b = [n](int i) { return n - 1 - (n - 1 - i - 1) / 2; };     // the mirrored tree
-  double hop = 0;
   for (int dir = 0; dir < 2; ++dir) {  // 0: reduce (up), 1: broadcast (down)
     Phase p;
     for (int i = 0; i < n; ++i) {
@@ -165,11 +148,10 @@ void CollectivePlanner::tree_allreduce(std::vector<Phase>& out, const std::vecto
         const int from = dir == 0 ? members[i] : members[parent];
         const int to = dir == 0 ? members[parent] : members[i];
         auto [s, d] = platform.endpoints(from, to);
-        if (hop == 0) hop = route_latency(s, d);
         p.flows.push_back({s, d, bytes / 2});
       }
     }
-    p.after_seconds = std::max(0.0, depth - 1) * hop;
+    p.after_seconds = latency / 2;
     out.push_back(std::move(p));
   }
 }

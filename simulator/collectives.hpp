@@ -1,19 +1,25 @@
 // Collectives as NCCL runs them, turned into phases of concurrent flows on the platform.
 //
+// NCCL's tuner (core/collective_model.hpp) picks the algorithm and protocol and gives the latency
+// (base + every ring step's hop cost, proportional to the rank count); the flows carry the bytes,
+// scaled by the protocol's wire factor (LL, LL128 keep the links busy longer per byte), so that
+// collectives sharing links slow each other down.
+//
 // Phase detail (default): each phase of an algorithm is one set of concurrent flows, each carrying
 // the phase's whole per-rank volume (a ring all-reduce is one flow per rank of 2(N-1)/N * S to its
-// successor), followed by the latency of the phase's remaining ring steps. Cost: O(N) flows per
-// collective, independent of the number of ring steps.
+// successor), followed by NCCL's latency. Cost: O(N) flows per collective, independent of the
+// number of ring steps.
 // Step detail: every ring step is a set of N flows of S/N, one after the other (O(N^2) flows);
 // kept to check the phase model (tests/sim: both agree within 2% on bandwidth-bound sizes).
 //
 // Algorithms:
 //  - group inside one node with a non-blocking NVSwitch: closed form (core/collective_model.hpp);
 //  - group with one member per node: flat ring over the NICs, or NCCL's double binary tree for an
-//    all-reduce when its closed form is faster (latency-bound sizes on many nodes);
-//  - group with m > 1 members on each of n > 1 nodes: hierarchical, as NCCL with one channel per
-//    rail: intra-node reduce-scatter (closed form), n-node ring on each of the m rails over S/m,
-//    intra-node all-gather (closed form);
+//    all-reduce when NCCL's tuner picks it (latency-bound sizes on many nodes);
+//  - group with m > 1 members on each of n > 1 nodes: NCCL's rail-optimized rings (one per
+//    channel, each through a different NIC): on the network, an n-node ring on each of the m rails
+//    over S/m; the NVLink hops of the same rings run concurrently with them (the phase lasts at
+//    least their closed-form time);
 //  - any other layout: flat ring, each hop over NVLink or the NICs;
 //  - all-to-all: one flow per ordered pair (S/N each); send/recv: one flow; copies: one flow
 //    between the GPU's PCIe endpoint and its node's CPU host.
@@ -34,9 +40,10 @@ struct Flow {
 };
 
 struct Phase {
-  double before_seconds = 0;  // closed-form part run before the flows (intra-node reduce-scatter)
+  double before_seconds = 0;  // closed-form part run before the flows
   std::vector<Flow> flows;    // run concurrently; the phase ends when the last one ends
-  double after_seconds = 0;   // remaining ring-step latencies, closed-form all-gather
+  double min_seconds = 0;     // ... but not before this long after they start (concurrent NVLink part)
+  double after_seconds = 0;   // NCCL's latency (base + ring steps)
 };
 
 // One repetition of an instruction's communication. closed_form: no flows, `seconds` is exact.
@@ -63,9 +70,9 @@ struct CollectivePlanner {
   static double route_latency(simgrid::s4u::Host* a, simgrid::s4u::Host* b);
 
  private:
-  void tree_allreduce(std::vector<Phase>& out, const std::vector<int>& members, double bytes) const;
+  void tree_allreduce(std::vector<Phase>& out, const std::vector<int>& members, double bytes, double latency) const;
   void ring(std::vector<Phase>& out, const std::vector<int>& members, double volume_per_rank, int steps,
-            double before, double after) const;
+            double min_seconds, double after) const;
 };
 
 }  // namespace dssim::sim

@@ -180,10 +180,13 @@ void Simulation::dispatch(const CommPlan* plan, int repeat, std::vector<std::pai
           for (const Phase& p : job.plan->phases) {
             if (p.before_seconds > 0) sg4::this_actor::sleep_for(p.before_seconds);
             comms.clear();
+            const double started = sg4::Engine::get_clock();
             for (const Flow& f : p.flows)
               if (f.bytes > 0)
                 comms.push_back(sg4::Comm::sendto_async(f.src, f.dst, static_cast<uint64_t>(std::llround(f.bytes))));
             for (auto& c : comms) c->wait();
+            const double floor = started + p.min_seconds - sg4::Engine::get_clock();
+            if (floor > 0) sg4::this_actor::sleep_for(floor);
             if (p.after_seconds > 0) sg4::this_actor::sleep_for(p.after_seconds);
           }
         completed_.emplace_back(me->job, sg4::Engine::get_clock());

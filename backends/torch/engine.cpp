@@ -66,6 +66,7 @@ ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, 
   spec.alignment = z.stage == 0 ? 1 : 2;
   spec.reduce_bucket_size = std::max<int64_t>(1, z.reduce_bucket_size);
   spec.allgather_bucket_size = std::max<int64_t>(1, z.allgather_bucket_size);
+  spec.bucket_per_layer = z.stage == 3 && z.engine == ZeroEngine::fsdp;  // FSDP: one reduce-scatter per block
   return spec;
 }
 
@@ -851,9 +852,10 @@ class Engine {
   double elt16() const { return double(at::elementSize(dtype_)); }
 
   void check_bytes(const Instruction& in, double engine_bytes) {
-    if (in.bytes > 0 && std::abs(in.bytes - engine_bytes) > 0.5)
+    const double program_bytes = in.bytes * std::max(1, in.repeat);
+    if (in.bytes > 0 && std::abs(program_bytes - engine_bytes) > 0.5)
       throw std::runtime_error("Program/engine mismatch: " + std::string(to_string(in.op)) + " bucket " +
-                               std::to_string(in.bucket) + " is " + std::to_string(in.bytes) +
+                               std::to_string(in.bucket) + " is " + std::to_string(program_bytes) +
                                " bytes in the Program, " + std::to_string(engine_bytes) + " in the engine layout");
   }
 
@@ -1269,7 +1271,11 @@ class Engine {
       // only because overlap_comm is off.)
       const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute && in.bucket < 0;
       if (ledger_only) tp_.expect(in.op, in.bytes, in.repeat);  // issued inside the compute (tensor_parallel.cpp)
-      for (int rep = 0; rep < (ledger_only ? 0 : std::max(1, in.repeat)); ++rep) {
+      // A ZeRO-3 layer's `repeat` fetch all-gathers (DeepSpeed's per-submodule calls) run here as
+      // one all-gather of the whole group: the same bytes in fewer calls.
+      const bool one_call = in.op == Op::AllGather && in.purpose == Purpose::ParamGather;
+      const int reps = ledger_only ? 0 : one_call ? 1 : std::max(1, in.repeat);
+      for (int rep = 0; rep < reps; ++rep) {
         switch (in.op) {
           case Op::Forward: forward(in); after_use(in); break;
           case Op::Backward: backward(in); after_use(in); break;

@@ -132,20 +132,21 @@ TEST_CASE("ring collective closed forms", "[estimator][collective]") {
   c.nic_latency = 0;
   c.switch_latency = 0;
   const double S = 1e9;
-  // inside one node: 2 (N-1)/N S / B_nvlink
+  // inside one node: 2 (N-1)/N S / B_nvlink plus NCCL's latency (core/collective_model.hpp;
+  // its closed forms are tested in test_collective_model.cpp): the bandwidth term within 2%
   std::vector<int> node0 = {0, 1, 2, 3, 4, 5, 6, 7};
-  CHECK(collective_seconds(c, Op::AllReduce, S, node0) == Approx(2.0 * 7 / 8 * S / 300e9));
-  CHECK(collective_seconds(c, Op::AllGather, S, node0) == Approx(7.0 / 8 * S / 300e9));
+  CHECK(collective_seconds(c, Op::AllReduce, S, node0) == Approx(2.0 * 7 / 8 * S / 300e9).epsilon(0.02));
+  CHECK(collective_seconds(c, Op::AllGather, S, node0) == Approx(7.0 / 8 * S / 300e9).epsilon(0.02));
   // one GPU per node (a Megatron DP group with TP 8): each GPU's share is one NIC
   std::vector<int> dp = {0, 8, 16, 24};
-  CHECK(collective_seconds(c, Op::AllReduce, S, dp) == Approx(2.0 * 3 / 4 * S / 25e9));
+  CHECK(collective_seconds(c, Op::AllReduce, S, dp) == Approx(2.0 * 3 / 4 * S / 25e9).epsilon(0.02));
   // a whole-node group across nodes crosses each node boundary once per channel: all 8 NICs
   std::vector<int> world16;
   for (int r = 0; r < 16; ++r) world16.push_back(r);
-  CHECK(collective_seconds(c, Op::AllReduce, S, world16) == Approx(2.0 * 15 / 16 * S / 200e9));
-  // latency terms: 2 (N-1) steps of alpha for all-reduce
-  c.gpu.nvlink_latency = 1e-6;
-  CHECK(collective_seconds(c, Op::AllReduce, 0, node0) == Approx(14e-6));
+  CHECK(collective_seconds(c, Op::AllReduce, S, world16) == Approx(2.0 * 15 / 16 * S / 200e9).epsilon(0.02));
+  // an empty all-reduce costs NCCL's LL ring latency: 6.6 us + 14 NVLink steps of 0.6 us
+  CHECK(collective_seconds(c, Op::AllReduce, 0, node0) == Approx((6.6 + 14 * 0.6) * 1e-6));
+  c.gpu.nvlink_latency = 1e-6;  // point-to-point hop latency
   CHECK(p2p_seconds(c, 1e6, 0, 1) == Approx(1e-6 + 1e6 / 300e9));
   CHECK(p2p_seconds(c, 1e6, 0, 8) == Approx(1e6 / 25e9));
 }

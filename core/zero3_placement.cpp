@@ -1,0 +1,27 @@
+#include "core/zero3_placement.hpp"
+
+namespace dssim {
+
+int zero3_fetch_calls(const std::vector<int64_t>& tensors, const ZeroSpec& z) {
+  if (z.engine == ZeroEngine::fsdp) return tensors.empty() ? 0 : 1;
+  int calls = 0;
+  int64_t open = 0;  // elements in the open all-gather
+  for (int64_t n : tensors) {
+    if (n <= z.param_persistence_threshold) continue;  // persistent: never gathered
+    if (open == 0) ++calls;
+    open += n;
+    if (open >= z.prefetch_bucket_size) open = 0;  // the call is full: the next submodule opens one
+  }
+  return calls == 0 && !tensors.empty() ? 1 : calls;
+}
+
+bool zero3_prefetch(const ZeroSpec& z, int ahead, int64_t in_flight, int64_t next_elems) {
+  if (ahead <= 0) return true;  // the running segment's own gather
+  if (z.engine == ZeroEngine::fsdp) return ahead == 1;
+  // DeepSpeed keeps prefetching while less than prefetch_bucket_size elements are in flight;
+  // prefetch_bucket_size 0 turns prefetching off.
+  if (z.prefetch_bucket_size == 0) return false;
+  return ahead == 1 || in_flight + next_elems <= z.prefetch_bucket_size;
+}
+
+}  // namespace dssim

@@ -1,0 +1,38 @@
+// ZeRO-3 as the engines run it: how many parameter all-gathers a layer costs, and how far ahead
+// they are issued. Both engines gather the same bytes; they differ in granularity, which at many
+// ranks decides the time (every all-gather pays NCCL's ring latency, proportional to the rank
+// count: core/collective_model.hpp).
+//
+// DeepSpeed (deepspeed/runtime/zero/partitioned_param_coordinator.py, fetch_sub_module): the
+// forward / backward pre-hook of every submodule fetches that submodule's own parameters
+// (parameters(recurse=False)): a transformer layer is several fetches (QKV, attention output,
+// MLP up (+ gate), MLP down). Parameters of at most stage3_param_persistence_threshold elements
+// (norms, biases) are never partitioned and never gathered. Each fetch issues one coalesced
+// all-gather for the parameters not yet in flight and prefetches the next submodules' in trace
+// order while fewer than stage3_prefetch_bucket_size elements are in flight (at least one
+// parameter): so, in steady state, one all-gather per step of at least prefetch_bucket_size
+// elements or one submodule, whichever is larger. Backward re-gathers (the forward released
+// them), and so does an activation-checkpointing recompute, which runs inside backward with the
+// same parameters live. Gradients are reduce-scattered per reduce_bucket_size.
+//
+// FSDP (torch.distributed.fsdp, FULL_SHARD, one FSDP unit per transformer block as llm-foundry
+// and torchtitan wrap it): one all-gather per block (its flat parameter), the next block's
+// gather prefetched one block ahead (forward_prefetch / BACKWARD_PRE; FSDP2 does the same
+// implicitly), and one reduce-scatter per block after its backward.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "core/scenario.hpp"
+
+namespace dssim {
+
+// All-gather calls one layer's parameters cost with `engine`: `tensors` are the layer's
+// parameter sizes (elements, model order; a weight matrix starts a submodule, the small tensors
+// after it are its bias / the next norm). At least 1 when anything is gathered.
+int zero3_fetch_calls(const std::vector<int64_t>& tensors, const ZeroSpec& z);
+
+// Prefetch: whether the gather of a segment of `next_elems` elements is issued while `in_flight`
+// elements of later segments are already in flight, `ahead` segments ahead of the running one.
+bool zero3_prefetch(const ZeroSpec& z, int ahead, int64_t in_flight, int64_t next_elems);
+
+}  // namespace dssim
