@@ -611,7 +611,10 @@ struct Mapper {
                       "remove the key or set it to 1 to simulate the run without it");
       } else if (k == "zero_allow_untested_optimizer" || k == "zero_force_ds_cpu_optimizer") {
         continue;  // permission flags: nothing to model
-      } else if (kDeepSpeedTopLevel.count(k)) ignore(k, v);
+      } else if (kDeepSpeedTopLevel.count(k)) {
+        if (k == "pipeline") out.pipeline_section = true;
+        ignore(k, v);
+      }
       else ignore(k, v, "is not a DeepSpeed config key");
     }
     // The layering rule: what the ds_config leaves out is DeepSpeed's default.

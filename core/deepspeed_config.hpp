@@ -31,6 +31,9 @@ struct DeepSpeedLayer {
   // dssim keys set from DeepSpeed's defaults because the ds_config leaves them out, with the reason
   // ("no zero_optimization block: DeepSpeed runs ZeRO stage 0").
   std::map<std::string, std::string> defaulted;
+  // True when the config has a "pipeline" section (DeepSpeed's pipeline engine): the pipeline
+  // partition then defaults to PipelineModule's partition_method, `parameters`.
+  bool pipeline_section = false;
 };
 
 // `origin` names the file in messages. Throws ConfigError for what DeepSpeed itself refuses

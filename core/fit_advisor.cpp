@@ -4,6 +4,7 @@
 
 #include "core/estimator.hpp"
 #include "core/memory.hpp"
+#include "core/pipeline_partition.hpp"
 #include "core/scenario_loader.hpp"
 #include "core/validate.hpp"
 
@@ -60,6 +61,11 @@ std::vector<FitCandidate> fit_candidates(const Scenario& sc) {
     s.parallel.pp *= 2;
     s.parallel.dp /= 2;
     s.parallel.partition.clear();
+    try {
+      resolve_pipeline_partition(s);
+    } catch (const ConfigError&) {
+      s.parallel.partition.clear();  // no partition of the layers on 2 pp: validation refuses the candidate
+    }
     s.training.grad_accum = static_cast<int>(sc.training.global_batch / (int64_t(s.training.micro_batch) * s.parallel.dp));
     consider("parallel.pp=" + std::to_string(s.parallel.pp) + " parallel.dp=" + std::to_string(s.parallel.dp), s);
   }

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/model.hpp"
+#include "core/pipeline_partition.hpp"
 
 namespace dssim {
 
@@ -162,6 +163,18 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
                              std::to_string(p.dp) + " | EP " + std::to_string(p.ep) +
                              (p.sequence_parallel ? " | sequence parallel" : "") +
                              (p.interleave > 1 ? " | interleave " + std::to_string(p.interleave) : ""));
+  if (!uniform_partition(sc)) {
+    // Runs of equal counts as "6 x 10": 70 layers on 12 stages reads "5, 6 x 10, 5".
+    const std::vector<int> per = layers_per_stage(sc);
+    std::string text;
+    for (size_t i = 0; i < per.size();) {
+      size_t j = i;
+      while (j < per.size() && per[j] == per[i]) ++j;
+      text += (i ? ", " : "") + std::to_string(per[i]) + (j - i > 1 ? " x " + std::to_string(j - i) : "");
+      i = j;
+    }
+    line(o, "layers per stage", text + (sc.parallel.partition_method.empty() ? "" : " (" + sc.parallel.partition_method + ")"));
+  }
   std::string zero = "stage " + std::to_string(sc.zero.stage);
   if (sc.zero.offload_optimizer) zero += ", optimizer offload";
   if (sc.zero.offload_param) zero += ", parameter offload";
@@ -237,6 +250,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
       {"gpus_per_node", sc.cluster.gpus_per_node},
       {"tp", sc.parallel.tp}, {"pp", sc.parallel.pp}, {"dp", sc.parallel.dp}, {"ep", sc.parallel.ep},
       {"sequence_parallel", sc.parallel.sequence_parallel}, {"interleave", sc.parallel.interleave},
+      {"layers_per_stage", layers_per_stage(sc)}, {"uniform_partition", uniform_partition(sc)},
       {"zero_stage", sc.zero.stage}, {"offload_optimizer", sc.zero.offload_optimizer},
       {"offload_param", sc.zero.offload_param},
       {"micro_batch", sc.training.micro_batch}, {"grad_accum", sc.training.grad_accum},

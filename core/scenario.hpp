@@ -57,6 +57,10 @@ struct ParallelSpec {
   bool sequence_parallel = false;
   int interleave = 1;              // virtual pipeline stages (model chunks) per rank; 1 = plain 1F1B
   std::vector<int> partition;      // layers per pipeline stage; empty = uniform
+  // How the loader fills `partition` when it is not given (core/pipeline_partition.hpp): uniform,
+  // parameters, type:REGEX, megatron; empty = the default (default_partition_method), which the
+  // loader writes here when it produced a non-uniform partition.
+  std::string partition_method;
   // Megatron's scatter/gather optimization (Narayanan et al. 2021, section 4.1): with tp > 1 each
   // TP rank sends only its 1/tp slice of the activation across nodes, and the receiving stage
   // all-gathers it over NVLink. DeepSpeed's pipeline engine does not (default off).

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 #include "core/deepspeed_config.hpp"
+#include "core/pipeline_partition.hpp"
 #include "core/scenario_layer.hpp"
 #include "core/scenario_units.hpp"
 #include "core/validate.hpp"
@@ -217,6 +218,20 @@ const std::vector<Field>& fields() {
         if (!item.value.IsScalar()) type_error(item, "an integer");
         s.parallel.partition.push_back(get_int32(item, 1));
       }
+    });
+    add("parallel.partition_method", [](Scenario& s, const Entry& e) {
+      // DeepSpeed lower-cases the method; a type:REGEX is checked when the partition is resolved.
+      const std::string m = get_string(e);
+      std::string lower = m;
+      std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+      const std::vector<std::string> methods = {"uniform", "parameters", "megatron"};
+      if (lower.rfind("type:", 0) != 0 && std::find(methods.begin(), methods.end(), lower) == methods.end()) {
+        std::string msg = e.origin + ": " + e.where() + ": unknown pipeline partition method '" + m +
+                          "'; use one of uniform, parameters (DeepSpeed's default), type:REGEX (e.g. type:transformer), megatron";
+        if (const std::string near = closest(lower, methods); !near.empty()) msg += "; did you mean '" + near + "'?";
+        throw ConfigError(msg);
+      }
+      s.parallel.partition_method = m;
     });
     // zero
     add("parallel.scatter_gather", [](Scenario& s, const Entry& e) { s.parallel.scatter_gather = get_bool(e); });
@@ -639,8 +654,10 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
 
   // 2. ds_config.json, then 3. --set.
   std::vector<std::string> warnings;
+  bool deepspeed_pipeline = false;  // the ds_config has a pipeline section: DeepSpeed's PipelineModule partitions
   if (!opts.deepspeed_config.empty()) {
     DeepSpeedLayer ds = load_deepspeed_config(opts.deepspeed_config);
+    deepspeed_pipeline = ds.pipeline_section;
     for (const auto& [k, e] : ds.settings)
       if (!find_field(k)) throw std::logic_error("ds_config mapping produced unknown key " + k);
     warnings = std::move(ds.warnings);
@@ -759,7 +776,12 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
     }
   }
 
-  // 9. Cross-field rules.
+  // 9. Layers per pipeline stage (parallel.partition_method), then the cross-field rules. DeepSpeed's
+  // pipeline engine partitions with PipelineModule's default, `parameters` (its json's
+  // pipeline.partition, default "best", is parsed but read by nothing in DeepSpeed).
+  if (deepspeed_pipeline && s.parallel.partition_method.empty() && s.parallel.interleave == 1)
+    s.parallel.partition_method = "parameters";
+  resolve_pipeline_partition(s, where);
   validate(s, where);
   for (auto& w : validation_warnings(s)) warnings.push_back(std::move(w));
   s.warnings = std::move(warnings);
@@ -802,6 +824,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "dp" << YAML::Value << p.dp << YAML::Key << "ep" << YAML::Value << p.ep;
   y << YAML::Key << "sequence_parallel" << YAML::Value << p.sequence_parallel << YAML::Key << "interleave" << YAML::Value << p.interleave;
   if (!p.partition.empty()) y << YAML::Key << "partition" << YAML::Value << YAML::Flow << p.partition;
+  if (!p.partition_method.empty()) y << YAML::Key << "partition_method" << YAML::Value << p.partition_method;
   y << YAML::EndMap;
   const auto& z = s.zero;
   y << YAML::Key << "zero" << YAML::Value << YAML::BeginMap;

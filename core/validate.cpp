@@ -230,19 +230,26 @@ void validate(const Scenario& s, const KeyLocator& where) {
         << m.layers << at("model.layers") << "; the stages must hold every layer exactly once";
       fail();
     }
-    if (p.interleave > 1) {
-      o << "parallel.partition" << at("parallel.partition")
-        << " cannot be combined with parallel.interleave > 1; the interleaved schedule splits layers uniformly";
-      fail();
-    }
+    // Megatron splits each stage's layers evenly over its model chunks (transformer_block.py
+    // get_num_layers_to_build asserts num_layers_per_pipeline_rank % vp_size == 0).
+    for (size_t i = 0; p.interleave > 1 && i < p.partition.size(); ++i)
+      if (p.partition[i] % p.interleave != 0) {
+        o << "parallel.partition" << at("parallel.partition") << ": stage " << i << " has " << p.partition[i]
+          << " layers, which do not split into parallel.interleave (" << p.interleave
+          << ") equal model chunks; give every stage a multiple of " << p.interleave << " layers";
+        fail();
+      }
   } else if (m.layers % (p.pp * p.interleave) != 0) {
+    // The loader resolves parallel.partition_method into parallel.partition first; a Scenario
+    // built in code without it must be uniform.
     if (p.interleave > 1)
       o << "model.layers (" << m.layers << ")" << at("model.layers") << " is not divisible by parallel.pp * parallel.interleave ("
-        << p.pp << " * " << p.interleave << "); every model chunk must hold the same number of layers";
+        << p.pp << " * " << p.interleave << "); every model chunk must hold the same number of layers unless "
+        << "parallel.partition (or parallel.partition_method: megatron) says otherwise";
     else
       o << "model.layers (" << m.layers << ")" << at("model.layers") << " is not divisible by parallel.pp (" << p.pp << ")"
-        << at("parallel.pp") << "; use a pp that divides " << m.layers << " (" << divisors_of(m.layers, 128)
-        << ") or give parallel.partition, a list of " << p.pp << " layer counts summing to " << m.layers;
+        << at("parallel.pp") << "; give parallel.partition_method (uniform, parameters, type:REGEX, megatron) or "
+        << "parallel.partition, a list of " << p.pp << " layer counts summing to " << m.layers;
     fail();
   }
   if (p.interleave > 1) {

@@ -82,11 +82,11 @@ TEST_CASE("heads must be divisible by tp", "[validate]") {
              Contains("model.heads (4)") && Contains("is not divisible by parallel.tp (3) at line 6") && Contains("1, 2, 4"));
 }
 
-TEST_CASE("layers must be divisible by pp unless a partition is given", "[validate]") {
-  CHECK_THAT(load_error("model: {preset: tiny, layers: 5}\ntraining: {micro_batch: 1}\nparallel: {pp: 2}\n"
-                        "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n"),
-             Contains("model.layers (5) at line 1 is not divisible by parallel.pp (2) at line 3") &&
-                 Contains("or give parallel.partition, a list of 2 layer counts summing to 5"));
+TEST_CASE("layers pp does not divide get a partition; an explicit one is checked", "[validate]") {
+  // parallel.partition_method (core/pipeline_partition.hpp, tests in test_pipeline_partition.cpp).
+  CHECK(load_scenario_from_string("model: {preset: tiny, layers: 5}\ntraining: {micro_batch: 1}\nparallel: {pp: 2}\n"
+                                  "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n")
+            .parallel.partition.size() == 2);
   const Scenario s = load_scenario(scenario_data("partition.yaml"));
   CHECK(s.parallel.partition == std::vector<int>{3, 2});
   CHECK_THAT(load_error("model: {preset: tiny, layers: 5}\ntraining: {micro_batch: 1}\nparallel: {pp: 2, partition: [3, 3]}\n"
@@ -175,9 +175,13 @@ TEST_CASE("interleaving needs pp > 1 and micro-batches divisible by pp", "[valid
   CHECK_NOTHROW(load_scenario_from_string(base + "training: {global_batch: 6, micro_batch: 1}\n"));
   CHECK_THAT(load_error(base + "training: {global_batch: 3, micro_batch: 1}\n"),
              Contains("needs the number of micro-batches (3, training.grad_accum) to be divisible by parallel.pp (2)"));
-  CHECK_THAT(load_error("model: {preset: tiny, layers: 6}\nparallel: {pp: 2, interleave: 2}\ntraining: {global_batch: 4, micro_batch: 1}\n"
+  // 6 layers on pp 2 x interleave 2: Megatron's split in whole chunks, 2 and 4 layers.
+  CHECK(load_scenario_from_string("model: {preset: tiny, layers: 6}\nparallel: {pp: 2, interleave: 2}\ntraining: {global_batch: 4, micro_batch: 1}\n"
+                                  "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n")
+            .parallel.partition == std::vector<int>{2, 4});
+  CHECK_THAT(load_error("model: {preset: tiny, layers: 5}\nparallel: {pp: 2, interleave: 2}\ntraining: {global_batch: 4, micro_batch: 1}\n"
                         "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n"),
-             Contains("model.layers (6) at line 1 is not divisible by parallel.pp * parallel.interleave (2 * 2)"));
+             Contains("parallel.partition_method megatron with parallel.interleave 2: model.layers (5) must be divisible by the interleave"));
 }
 
 TEST_CASE("sequence parallelism needs tp > 1", "[validate]") {
