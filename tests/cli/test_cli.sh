@@ -104,8 +104,9 @@ PY
     expect_refused "heads"
     ;;
   layers_pp)
-    run scenario scenarios/gpt175b.yaml --set model.layers=90 --output "$TMP/outdir/r.json"
-    expect_refused "layers"
+    # 90 layers on pp 8 load (DeepSpeed's parameters balance); an unknown partition method is refused.
+    run scenario scenarios/gpt175b.yaml --set model.layers=90 --set parallel.partition_method=bananas --output "$TMP/outdir/r.json"
+    expect_refused "parallel.partition_method.*unknown pipeline partition method"
     ;;
   gpus_mismatch)
     run scenario scenarios/gpt175b.yaml --set parallel.dp=7 --output "$TMP/outdir/r.json"

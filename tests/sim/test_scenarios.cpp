@@ -182,3 +182,27 @@ TEST_CASE("ZeRO++ on a slow-NIC cluster: less exposed DP communication than plai
   full.symmetry = false;
   CHECK(simulate(zpp, full).iteration_seconds == Approx(b.iteration_seconds).epsilon(0.02));
 }
+
+TEST_CASE("70 layers on pp 12 (DeepSpeed's parameters balance): the simulator runs it and agrees with the estimator", "[partition]") {
+  // No partition_method: pp does not divide 70, so DeepSpeed's default balances the parameters
+  // (GPT-350M layers, vocabulary 51200 + 2048 positions = 3.2 layers on each end).
+  Scenario sc = load_scenario_from_string(
+      "model: {preset: gpt-350m, layers: 70}\n"
+      "training: {global_batch: 24, micro_batch: 1}\n"
+      "parallel: {pp: 12}\n"
+      "precision: {dtype: bf16}\n"
+      "cluster: {preset: dgx-a100-hdr, nodes: 3, gpus_per_node: 4, nics_per_node: 4}\n",
+      {}, "pp12");
+  REQUIRE(sc.parallel.partition.size() == 12);
+  CHECK(sc.parallel.partition_method == "parameters");
+  // The ends hold the embedding / tied head (3.2 layers' parameters each) and 2 layers; checked
+  // against a Python port of DeepSpeed's partition_balanced.
+  CHECK(sc.parallel.partition == std::vector<int>{2, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 2});
+  huge_bandwidth(sc, false);
+  const Report analytic = analytic_report(sc, false);
+  const Report sim = simulate(sc);
+  INFO("analytic " << analytic.iteration_seconds << " s, sim " << sim.iteration_seconds << " s");
+  CHECK(sim.iteration_seconds > 0);
+  CHECK(sim.iteration_seconds == Approx(analytic.iteration_seconds).epsilon(0.02));
+  CHECK(sim.time.total() == Approx(sim.iteration_seconds).epsilon(1e-6));
+}

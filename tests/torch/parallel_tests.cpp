@@ -123,6 +123,27 @@ TEST_CASE("pipeline: 2 stages, uniform and [2,4], with and without recompute, ma
   pipeline_matches_one_rank(2, "[2,4]");
 }
 
+// Layer counts pp does not divide (parallel.partition_method, core/pipeline_partition.hpp): the
+// loader resolves the method into parallel.partition, which the Program and the engine follow.
+TEST_CASE("pipeline: 6 layers on 4 stages, uniform [2,2,1,1] and DeepSpeed's parameters [1,2,2,1], match one rank",
+          "[pipeline][gloo]") {
+  const std::string scenario = "scenarios/tiny/tiny_pp3.yaml";
+  const std::string four = " --nproc 4 --set parallel.pp=4 --set cluster.gpus_per_node=4";
+  for (const auto& [method, want] : std::vector<std::pair<std::string, std::vector<int>>>{
+           {"uniform", {2, 2, 1, 1}}, {"parameters", {1, 2, 2, 1}}}) {
+    const Trained t = matches_one_rank(scenario, Layout{four + " --set parallel.partition_method=" + method, 1, 4});
+    CHECK(t.r.json.at("config").at("layers_per_stage").get<std::vector<int>>() == want);
+  }
+}
+
+TEST_CASE("pipeline: 6 layers on 2 stages x 2 chunks (Megatron's split, 2 and 4 layers) matches one rank",
+          "[pipeline][gloo]") {
+  const Trained t = matches_one_rank(
+      "scenarios/tiny/tiny_pp3.yaml",
+      Layout{" --nproc 2 --set parallel.pp=2 --set parallel.interleave=2 --set cluster.gpus_per_node=2", 1, 2, 1, 2});
+  CHECK(t.r.json.at("config").at("layers_per_stage").get<std::vector<int>>() == std::vector<int>{2, 4});
+}
+
 TEST_CASE("pipeline: interleaved, 2 chunks per stage, with and without recompute, matches one rank over 20 steps",
           "[pipeline][gloo]") {
   with_and_without_recompute("scenarios/tiny/tiny_interleave.yaml", Layout{" --nproc 2", 1, 2, 1, 2});
