@@ -540,6 +540,20 @@ struct Mapper {
     }
   }
 
+  // DeepSpeed's pipeline block (runtime/config.py get_pipeline_config): its presence says the run is
+  // DeepSpeed's PipelineEngine (parallel.pipeline_engine: deepspeed, core/pipeline_engine.hpp);
+  // pipe_partitioned / grad_partitioned choose whether a stage sends its 1/tp slice.
+  void pipeline(const json& t) {
+    if (!t.is_object()) fail("pipeline", "expected an object such as {\"pipe_partitioned\": true}, got " + t.dump());
+    set("parallel.pipeline_engine", "pipeline", YAML::Node("deepspeed"));
+    for (auto it = t.begin(); it != t.end(); ++it) {
+      const std::string dk = "pipeline." + it.key();
+      if (it.key() == "pipe_partitioned") map("parallel.pipe_partitioned", dk, it.value(), Kind::Bool);
+      else if (it.key() == "grad_partitioned") map("parallel.grad_partitioned", dk, it.value(), Kind::Bool);
+      else ignore(dk, it.value());
+    }
+  }
+
   void tensor_parallel(const json& t) {
     if (!t.is_object()) fail("tensor_parallel", "expected an object such as {\"autotp_size\": 4}, got " + t.dump());
     for (auto it = t.begin(); it != t.end(); ++it) {
@@ -602,6 +616,7 @@ struct Mapper {
       else if (k == "moe") moe(v);
       else if (k == "activation_checkpointing") activation_checkpointing(v);
       else if (k == "tensor_parallel") tensor_parallel(v);
+      else if (k == "pipeline") pipeline(v);
       else if (k == "sequence_parallel_size") {
         if (is_auto(v)) continue;
         check_type(k, v, Kind::Integer);

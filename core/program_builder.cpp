@@ -9,6 +9,9 @@
 // a rank's Program is a relaxation of one sequential order (the order instructions are appended).
 // That sequential order is deadlock-free across ranks:
 //  - interleave = 1: it is DeepSpeed's TrainSchedule, whose steps can be separated by barriers;
+//    with parallel.pipeline_engine deepspeed its p2p instructions are on the compute stream, in
+//    the step's order (blocking pairs that line up between neighbours by the steps' parity), and
+//    the gradient reductions and the tied-embedding sync follow the last step on every rank;
 //  - interleave > 1: Megatron's interleaved order for compute, and the p2p instructions of every
 //    rank sorted by one global key (the sender's finish time in a unit-cost run of the schedule,
 //    ties broken by sender virtual stage, micro-batch, direction), so the pending pair with the
@@ -33,6 +36,7 @@
 #include <tuple>
 
 #include "core/grid.hpp"
+#include "core/pipeline_engine.hpp"
 #include "core/schedule.hpp"
 #include "core/zero_partition.hpp"
 #include "core/zero3_placement.hpp"
@@ -198,8 +202,15 @@ class Builder {
       throw std::invalid_argument("interleaved pipeline schedule: micro-batches (" + std::to_string(M_) +
                                   ") must be a multiple of the pipeline size (" + std::to_string(p_) + ")");
     act_bytes_ = double(b_) * m_.seq_len * m_.hidden * g_;
-    scatter_gather_ = t_ > 1 && sc.parallel.scatter_gather && !sc.parallel.sequence_parallel;
-    p2p_bytes_ = (sc.parallel.sequence_parallel || scatter_gather_) ? act_bytes_ / t_ : act_bytes_;
+    // The pipeline engine (core/pipeline_engine.hpp): where p2p runs, TP partitioning of the
+    // messages (Megatron's scatter/gather, DeepSpeed's pipe_partitioned), when gradients reduce.
+    engine_ = pipeline_engine_model(sc);
+    if (engine_.engine == PipelineEngine::deepspeed && p_ > 1 && (v_ > 1 || zero_ >= 2))
+      throw std::invalid_argument("build_program: parallel.pipeline_engine deepspeed runs neither parallel.interleave > 1 "
+                                  "nor zero.stage >= 2 (core/pipeline_engine.cpp)");
+    const bool sp = sc.parallel.sequence_parallel;
+    p2p_act_bytes_ = (sp || engine_.partition_activations) ? act_bytes_ / t_ : act_bytes_;
+    p2p_grad_bytes_ = (sp || engine_.partition_gradients) ? act_bytes_ / t_ : act_bytes_;
     a2a_bytes_ = double(b_) * m_.seq_len / t_ * m_.top_k * m_.capacity_factor * m_.hidden * g_;
     onebit_ = sc.optimizer.kind == OptimizerKind::onebit_adam && zero_ == 0 &&
               sc.optimizer.step >= sc.optimizer.freeze_step;
@@ -712,34 +723,34 @@ class Builder {
       const int slot = a.chunk * M_ + a.mb;
       switch (a.act) {
         case Act::RecvAct: {
-          Instruction in = make(Op::Recv, Stream::PpComm, Purpose::PipelineActivation, a.mb, a.chunk);
+          Instruction in = make(Op::Recv, engine_.p2p_stream, Purpose::PipelineActivation, a.mb, a.chunk);
           in.peer = peer_of(x.c, ch.vs - 1);
           in.tag = tag_of(ch.vs - 1, a.mb, 0);
-          in.bytes = p2p_bytes_;
+          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
           x.recv_act[slot] = add(x, in, {});
           break;
         }
         case Act::SendAct: {
-          Instruction in = make(Op::Send, Stream::PpComm, Purpose::PipelineActivation, a.mb, a.chunk);
+          Instruction in = make(Op::Send, engine_.p2p_stream, Purpose::PipelineActivation, a.mb, a.chunk);
           in.peer = peer_of(x.c, ch.vs + 1);
           in.tag = tag_of(ch.vs, a.mb, 0);
-          in.bytes = p2p_bytes_;
+          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
           add(x, in, {x.fwd_out[slot]});
           break;
         }
         case Act::RecvGrad: {
-          Instruction in = make(Op::Recv, Stream::PpComm, Purpose::PipelineGradient, a.mb, a.chunk);
+          Instruction in = make(Op::Recv, engine_.p2p_stream, Purpose::PipelineGradient, a.mb, a.chunk);
           in.peer = peer_of(x.c, ch.vs + 1);
           in.tag = tag_of(ch.vs + 1, a.mb, 1);
-          in.bytes = p2p_bytes_;
+          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
           x.recv_grad[slot] = add(x, in, {});
           break;
         }
         case Act::SendGrad: {
-          Instruction in = make(Op::Send, Stream::PpComm, Purpose::PipelineGradient, a.mb, a.chunk);
+          Instruction in = make(Op::Send, engine_.p2p_stream, Purpose::PipelineGradient, a.mb, a.chunk);
           in.peer = peer_of(x.c, ch.vs - 1);
           in.tag = tag_of(ch.vs, a.mb, 1);
-          in.bytes = p2p_bytes_;
+          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
           add(x, in, {x.bwd_out[slot]});
           break;
         }
@@ -831,7 +842,9 @@ class Builder {
   // Scatter/gather: the Recv brought this rank's 1/tp slice; the TP group all-gathers the rest
   // over NVLink before the chunk can run (Megatron's gather_split_1d_tensor).
   void gather_received_slice(RankCtx& x, uint32_t recv, Purpose purpose, int mb, int chunk) {
-    if (!scatter_gather_ || recv == kNone || x.tp_g < 0) return;
+    const bool partitioned = purpose == Purpose::PipelineActivation ? engine_.partition_activations
+                                                                    : engine_.partition_gradients;
+    if (!partitioned || recv == kNone || x.tp_g < 0) return;
     Instruction in = make(Op::AllGather, Stream::Compute, purpose, mb, chunk);
     in.group = x.tp_g;
     in.bytes = act_bytes_;
@@ -953,9 +966,12 @@ class Builder {
     const bool overlap = sc_.zero.overlap_comm;
     // Which micro-batches reduce gradients: every one for stage 2 (and 3), the last for 0 / 1.
     const bool reduce_now = zero_ >= 2 || a.mb == M_ - 1;
-    const bool split = zero_ < 3 && overlap && reduce_now;
+    // DeepSpeed's PipelineEngine reduces only in ReduceGrads, after the whole schedule, blocking
+    // (core/pipeline_engine.hpp): every bucket is postponed to the batch end, on the compute stream.
+    const bool after = engine_.reduce_after_schedule;
+    const bool split = zero_ < 3 && overlap && reduce_now && !after;
     const std::vector<Segment>& bsegs = split ? ch.bwd_split : ch.bwd_whole;
-    const Stream red_stream = overlap ? Stream::DpComm : Stream::Compute;
+    const Stream red_stream = overlap && !after ? Stream::DpComm : Stream::Compute;
     for (int k = int(bsegs.size()) - 1; k >= 0; --k) {
       const Segment& s = bsegs[k];
       const bool first = k == int(bsegs.size()) - 1;
@@ -1012,7 +1028,7 @@ class Builder {
           const double mine = zero_ == 0 ? double(bk.range.count)
                                          : double(bk.sub_shards[std::min(me, int(bk.sub_shards.size()) - 1)].count);
           const Op op = zero_ == 0 ? Op::AllReduce : Op::ReduceScatter;
-          if (postpones_tied(x) && f.tied[r.bucket]) {  // after the EmbeddingSync (emit_batch_end)
+          if (after || (postpones_tied(x) && f.tied[r.bucket])) {  // after the EmbeddingSync (emit_batch_end)
             x.postponed.push_back({op, r.expert, r.bucket, double(bk.range.count), mine, a.mb, a.chunk, r.layer,
                                    sp_sum, red_stream});
             continue;
@@ -1098,7 +1114,7 @@ class Builder {
     const StagePlan& plan = *x.plan;
     uint32_t emb = kNone;
     if (x.emb_g >= 0) {  // DeepSpeed ReduceTiedGrads / Megatron's embedding group all-reduce
-      Instruction in = make(Op::AllReduce, Stream::DpComm, Purpose::EmbeddingSync);
+      Instruction in = make(Op::AllReduce, engine_.batch_end_stream, Purpose::EmbeddingSync);
       in.group = x.emb_g;
       in.bytes = double(m_.vocab) * m_.hidden / t_ * g_;
       emb = add(x, in, {x.last_compute});
@@ -1197,8 +1213,8 @@ class Builder {
   static constexpr int64_t kQwzBlock = 8000;
   std::map<std::pair<int, std::vector<int>>, int> sub_groups_;
   bool onebit_ = false;
-  double act_bytes_ = 0, p2p_bytes_ = 0, a2a_bytes_ = 0;
-  bool scatter_gather_ = false;
+  double act_bytes_ = 0, p2p_act_bytes_ = 0, p2p_grad_bytes_ = 0, a2a_bytes_ = 0;
+  PipelineEngineModel engine_;
   std::vector<int> vs_layers_, vs_first_layer_;
   std::vector<StagePlan> plans_;
   OpListCache cache_;

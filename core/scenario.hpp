@@ -52,6 +52,9 @@ struct TrainingSpec {
   uint64_t seed = 1234;
 };
 
+enum class PipelineEngine { megatron, deepspeed };
+const char* to_string(PipelineEngine);
+
 struct ParallelSpec {
   int tp = 1, pp = 1, dp = 1, ep = 1;
   bool sequence_parallel = false;
@@ -65,6 +68,17 @@ struct ParallelSpec {
   // TP rank sends only its 1/tp slice of the activation across nodes, and the receiving stage
   // all-gathers it over NVLink. DeepSpeed's pipeline engine does not (default off).
   bool scatter_gather = false;
+  // Which engine runs the pipeline (core/pipeline_engine.hpp, docs/simulator.md "Pipeline
+  // engines"): Megatron-LM's schedules (p2p on its own stream, scatter/gather, interleaving) or
+  // DeepSpeed's PipelineEngine (TrainSchedule, blocking p2p on the compute stream, gradient
+  // reduction after the schedule). The loader picks deepspeed for a ds_config with a pipeline
+  // section or with pp > 1, megatron otherwise (docs/scenario-format.md).
+  PipelineEngine pipeline_engine = PipelineEngine::megatron;
+  // DeepSpeed's pipeline.pipe_partitioned / grad_partitioned (default true; used by the deepspeed
+  // engine with tp > 1): each TP rank sends its 1/tp slice of the activation / its gradient and
+  // the receiver all-gathers it over the TP group (PartitionedTensor, runtime/pipe/engine.py).
+  bool pipe_partitioned = true;
+  bool grad_partitioned = true;
   int world() const { return tp * pp * dp; }
 };
 

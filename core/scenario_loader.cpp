@@ -235,6 +235,12 @@ const std::vector<Field>& fields() {
     });
     // zero
     add("parallel.scatter_gather", [](Scenario& s, const Entry& e) { s.parallel.scatter_gather = get_bool(e); });
+    add("parallel.pipeline_engine", [](Scenario& s, const Entry& e) {
+      s.parallel.pipeline_engine = get_enum(e, {"megatron", "deepspeed"}) == "deepspeed" ? PipelineEngine::deepspeed
+                                                                                       : PipelineEngine::megatron;
+    });
+    add("parallel.pipe_partitioned", [](Scenario& s, const Entry& e) { s.parallel.pipe_partitioned = get_bool(e); });
+    add("parallel.grad_partitioned", [](Scenario& s, const Entry& e) { s.parallel.grad_partitioned = get_bool(e); });
     add("zero.stage", [](Scenario& s, const Entry& e) {
       s.zero.stage = get_int32(e, 0);
       if (s.zero.stage > 3) throw ConfigError(e.origin + ": " + e.where() + ": ZeRO stage must be 0, 1, 2 or 3, got " + e.value.Scalar());
@@ -776,13 +782,25 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
     }
   }
 
-  // 9. Layers per pipeline stage (parallel.partition_method), then the cross-field rules. DeepSpeed's
-  // pipeline engine partitions with PipelineModule's default, `parameters` (its json's
+  // 9. The pipeline engine (core/pipeline_engine.hpp). Unless a layer names it (a ds_config's
+  // pipeline section names deepspeed), a run given a ds_config with pp > 1 is DeepSpeed's
+  // PipelineEngine (Megatron-DeepSpeed, GPT-NeoX build a PipelineModule whenever pp > 1);
+  // otherwise Megatron-LM's schedules.
+  const bool engine_defaulted = !merged.count("parallel.pipeline_engine") && !opts.deepspeed_config.empty() && par.pp > 1;
+  if (engine_defaulted) par.pipeline_engine = PipelineEngine::deepspeed;
+  const KeyLocator locate = [&](const std::string& key) -> std::string {
+    if (key == "parallel.pipeline_engine" && engine_defaulted)
+      return " (the default for a ds_config with parallel.pp > 1)";
+    return where(key);
+  };
+
+  // 10. Layers per pipeline stage (parallel.partition_method), then the cross-field rules.
+  // DeepSpeed's pipeline engine partitions with PipelineModule's default, `parameters` (its json's
   // pipeline.partition, default "best", is parsed but read by nothing in DeepSpeed).
   if (deepspeed_pipeline && s.parallel.partition_method.empty() && s.parallel.interleave == 1)
     s.parallel.partition_method = "parameters";
   resolve_pipeline_partition(s, where);
-  validate(s, where);
+  validate(s, locate);
   for (auto& w : validation_warnings(s)) warnings.push_back(std::move(w));
   s.warnings = std::move(warnings);
   return s;
@@ -825,6 +843,10 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "sequence_parallel" << YAML::Value << p.sequence_parallel << YAML::Key << "interleave" << YAML::Value << p.interleave;
   if (!p.partition.empty()) y << YAML::Key << "partition" << YAML::Value << YAML::Flow << p.partition;
   if (!p.partition_method.empty()) y << YAML::Key << "partition_method" << YAML::Value << p.partition_method;
+  y << YAML::Key << "pipeline_engine" << YAML::Value << to_string(p.pipeline_engine);
+  if (p.pipeline_engine == PipelineEngine::deepspeed)
+    y << YAML::Key << "pipe_partitioned" << YAML::Value << p.pipe_partitioned << YAML::Key << "grad_partitioned"
+      << YAML::Value << p.grad_partitioned;
   y << YAML::EndMap;
   const auto& z = s.zero;
   y << YAML::Key << "zero" << YAML::Value << YAML::BeginMap;

@@ -2,6 +2,7 @@
 
 #include <numeric>
 #include <sstream>
+#include "core/pipeline_engine.hpp"
 #include "core/scenario_loader.hpp"
 
 namespace dssim {
@@ -168,6 +169,8 @@ void validate(const Scenario& s, const KeyLocator& where) {
   c.positive("parallel.dp", p.dp, "omit it to derive dp = GPUs / (tp * pp)");
   c.positive("parallel.ep", p.ep, "1 = no expert parallelism");
   c.positive("parallel.interleave", p.interleave, "1 = plain 1F1B");
+  // The pipeline engine's own rules (core/pipeline_engine.cpp): deepspeed refuses Megatron's options.
+  if (const std::string e = pipeline_engine_error(s, [&](const std::string& k) { return c.at(k); }); !e.empty()) c.fail(e);
   c.positive("cluster.nodes", cl.nodes, "");
   c.positive("cluster.gpus_per_node", cl.gpus_per_node, "");
   if (p.world() != cl.world()) {
