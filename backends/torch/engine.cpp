@@ -110,6 +110,15 @@ class Engine {
     if (par.tp > 1 && par.scatter_gather && !par.sequence_parallel)
       throw std::invalid_argument("torch backend: parallel.scatter_gather is not implemented (the pipeline sends "
                                   "whole activations); set parallel.scatter_gather: false");
+    // DeepSpeed's engine (core/pipeline_engine.hpp) runs here as emitted (blocking p2p on the
+    // compute stream, reductions after the schedule), except its TP-partitioned messages.
+    if (par.pipeline_engine == PipelineEngine::deepspeed && par.pp > 1 && par.tp > 1 && !par.sequence_parallel &&
+        (par.pipe_partitioned || par.grad_partitioned))
+      throw std::invalid_argument("torch backend: parallel.pipeline_engine deepspeed with tp > 1 partitions pipeline "
+                                  "messages over the TP group (parallel.pipe_partitioned / grad_partitioned, DeepSpeed's "
+                                  "default), which is not implemented (the pipeline sends whole activations); set "
+                                  "parallel.pipe_partitioned: false and parallel.grad_partitioned: false, or "
+                                  "parallel.pipeline_engine: megatron");
     if (program.ranks.size() <= size_t(rank_) || program.ranks[rank_].rank != rank_)
       throw std::invalid_argument("torch backend: the Program has no instructions for rank " +
                                   std::to_string(rank_) + " (built representative-only?)");
