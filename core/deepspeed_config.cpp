@@ -616,7 +616,7 @@ struct Mapper {
       else if (k == "moe") moe(v);
       else if (k == "activation_checkpointing") activation_checkpointing(v);
       else if (k == "tensor_parallel") tensor_parallel(v);
-      else if (k == "pipeline") pipeline(v);
+      else if (k == "pipeline") { out.pipeline_section = true; pipeline(v); }
       else if (k == "sequence_parallel_size") {
         if (is_auto(v)) continue;
         check_type(k, v, Kind::Integer);

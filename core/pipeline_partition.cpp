@@ -206,6 +206,8 @@ std::vector<int> partition_layers(const Scenario& sc, const std::string& written
 void resolve_pipeline_partition(Scenario& sc, const KeyLocator& where) {
   auto& p = sc.parallel;
   if (!p.partition.empty() || p.pp <= 1) return;
+  // DeepSpeed's engine does not interleave: validate() refuses the combination, naming both keys.
+  if (p.pipeline_engine == PipelineEngine::deepspeed && p.interleave > 1) return;
   const std::string method = default_partition_method(sc);
   const std::vector<int> counts = partition_layers(sc, method, where);
   if (std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<int>()) == counts.end()) return;
