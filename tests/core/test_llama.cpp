@@ -11,6 +11,8 @@
 #include "core/memory.hpp"
 #include "core/model.hpp"
 #include "core/program_builder.hpp"
+#include "core/estimator.hpp"
+#include "core/report.hpp"
 #include "core/scenario_loader.hpp"
 #include "core/validate.hpp"
 #include "tests/core/scenario_test_util.hpp"
@@ -370,4 +372,21 @@ TEST_CASE("scenario keys: mlp, kv_heads, norm, position, bias", "[scenario][llam
   CHECK_THAT(load("  kv_heads: 1\n", "  tp: 2\n"),
              Contains("model.kv_heads (1)") && Contains("parallel.tp (2)") && Contains("use a tp that divides 1"));
   CHECK(load("  kv_heads: 2\n", "  tp: 2\n") == "<no error>");
+}
+
+TEST_CASE("the JSON report's config says the model's shape and the engines", "[llama][report]") {
+  const Scenario s = load_scenario_from_string(
+      "model: llama3-8b\ntraining: {global_batch: 16, micro_batch: 1}\nzero: {stage: 3, engine: fsdp}\n"
+      "cluster: {preset: dgx-h100-ndr, nodes: 2}\n");
+  const auto j = report_json(s, analytic_report(s, false));
+  const auto& c = j["config"];
+  CHECK(c["kv_heads"] == 8);
+  CHECK(c["ffn_hidden"] == 14336);
+  CHECK(c["mlp"] == "swiglu");
+  CHECK(c["norm"] == "rmsnorm");
+  CHECK(c["position"] == "rotary");
+  CHECK(c["bias"] == false);
+  CHECK(c["tied_embeddings"] == false);
+  CHECK(c["zero_engine"] == "fsdp");
+  CHECK(c["pipeline_engine"] == "megatron");
 }
