@@ -145,6 +145,7 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
 
   const StageLayers range = stage_layers(sc, stage);
   for (int i = range.first; i < range.last; ++i) {
+    const double before = p.dense + p.expert;
     const bool moe = is_moe_layer(m, i);
     // Megatron TP splits every weight matrix and the column-parallel biases by t; LayerNorms and
     // row-parallel biases are replicated. We divide the whole layer by t (error O(h) per layer).
@@ -178,10 +179,12 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
         small(h);
       }
     }
+    p.largest_block = std::max(p.largest_block, p.dense + p.expert - before);
   }
   const bool first = stage == 0, last = stage == pp - 1;
   if (first) {
     p.dense += v * h / t + (m.rotary ? 0 : s * h);  // vocab-parallel word embedding + positions
+    p.largest_block = std::max(p.largest_block, v * h / t + (m.rotary ? 0 : s * h));
     module(v * h / t);
     if (!m.rotary) module(s * h);
   }
@@ -192,6 +195,7 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
     // Untied output layer, or Megatron's copy of the tied word embedding on the last stage.
     if (!m.tied_embeddings || (pp > 1 && !first)) {
       p.dense += v * h / t;
+      p.largest_block = std::max(p.largest_block, v * h / t);
       module(v * h / t);
     }
   }
@@ -234,8 +238,11 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     // max_live_parameters; small tensors below param_persistence_threshold stay whole.
     const double largest = sp.largest_module;
     const double live_cap = std::max(largest, static_cast<double>(z.max_live_parameters));
+    // FSDP (core/zero3_placement.hpp): the running block whole and the next one prefetched.
     const double gathered =
-        std::min(psi, std::min(live_cap, largest + static_cast<double>(z.prefetch_bucket_size)));
+        z.engine == ZeroEngine::fsdp
+            ? std::min(psi, 2 * sp.largest_block)
+            : std::min(psi, std::min(live_cap, largest + static_cast<double>(z.prefetch_bucket_size)));
     mb.params_gathered = pb * (gathered + sp.persistent);
     mb.params = (z.offload_param ? 0 : pb * shard) + mb.params_gathered;
     // ZeRO++ hpZ: each rank also keeps its 1/hpz_partition_size secondary shard of the dense

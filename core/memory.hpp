@@ -42,6 +42,7 @@ StageLayers stage_layers(const Scenario& sc, int stage);
 struct StageParameters {
   double dense = 0, expert = 0;
   double largest_module = 0;  // largest single module's elements (what ZeRO-3 gathers at once)
+  double largest_block = 0;   // largest transformer layer's (FSDP unit's) elements, embedding / head included
   double persistent = 0;      // ZeRO-3: elements of tensors under param_persistence_threshold
   double total() const { return dense + expert; }
 };

@@ -5,6 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include "core/estimator.hpp"
+#include "core/memory.hpp"
+#include "core/model.hpp"
 #include "core/program_builder.hpp"
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
@@ -125,4 +127,17 @@ TEST_CASE("ZeRO-3 at scale: the gathers' exposed time grows with the GPU count a
   CHECK(mb1_1024.time.exposed_dp > 0.1 * mb1_1024.iteration_seconds);
   CHECK(mb16_128.time.exposed_dp < 0.01 * mb16_128.iteration_seconds);
   CHECK(mb16_1024.time.exposed_dp < 0.01 * mb16_1024.iteration_seconds);
+}
+
+TEST_CASE("ZeRO-3 memory follows the engine's granularity", "[zero3][memory]") {
+  // DeepSpeed: the largest module plus the prefetch bucket; FSDP: the running block and the
+  // prefetched next one, whole (2 bytes per fp16 element).
+  const Scenario ds = azure(16, 1, "deepspeed"), fsdp = azure(16, 1, "fsdp");
+  const StageParameters sp = stage_parameters(fsdp, 0);
+  const double layer = dense_layer_params(fsdp.model);
+  CHECK(sp.largest_block == Approx(layer));  // a 175B layer (1.8e9) outweighs the embedding (0.6e9)
+  CHECK(stage_memory(fsdp, 0).params_gathered == Approx(2.0 * (2 * layer + sp.persistent)));
+  CHECK(stage_memory(ds, 0).params_gathered ==
+        Approx(2.0 * (sp.largest_module + ds.zero.prefetch_bucket_size + sp.persistent)));
+  CHECK(stage_memory(fsdp, 0).params_gathered > 3 * stage_memory(ds, 0).params_gathered);
 }
