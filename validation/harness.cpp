@@ -43,13 +43,17 @@ void score(Table& t) {
   t.mean_abs_error = t.rows.empty() ? 0 : sum / t.rows.size();
 }
 
-double metric_of(const Report& r, const std::string& metric, const std::string& file) {
+// tokens_per_second_per_gpu: the whole job's tokens/s over its GPUs, as llm-foundry's
+// "Throughput (T/s/GPU)" and torchtitan's "TPS/GPU" report it.
+double metric_of(const Report& r, const std::string& metric, const std::string& file, int gpus) {
   if (metric == "hardware_tflops_per_gpu") return r.hardware_tflops_per_gpu;
   if (metric == "model_tflops_per_gpu") return r.model_tflops_per_gpu;
   if (metric == "iteration_seconds") return r.iteration_seconds;
   if (metric == "tokens_per_second") return r.tokens_per_second;
+  if (metric == "tokens_per_second_per_gpu") return r.tokens_per_second / gpus;
   throw ConfigError(file + ": unknown metric '" + metric +
-                    "' (hardware_tflops_per_gpu, model_tflops_per_gpu, iteration_seconds, tokens_per_second)");
+                    "' (hardware_tflops_per_gpu, model_tflops_per_gpu, iteration_seconds, tokens_per_second, "
+                    "tokens_per_second_per_gpu)");
 }
 
 void throughput_rows(Table& t, const YAML::Node& doc, const Predictor& predict) {
@@ -63,7 +67,7 @@ void throughput_rows(Table& t, const YAML::Node& doc, const Predictor& predict) 
     if (row["set"]) lo.overrides = row["set"].as<std::vector<std::string>>();
     const Scenario sc = load_scenario_from_string(base.c_str(), lo, t.file + " row " + r.label);
     const Report rep = predict(sc);
-    r.predicted = metric_of(rep, t.metric, t.file);
+    r.predicted = metric_of(rep, t.metric, t.file, sc.cluster.world());
     r.detail = {{"gpus", sc.cluster.world()}, {"tp", sc.parallel.tp}, {"pp", sc.parallel.pp},
                 {"dp", sc.parallel.dp}, {"interleave", sc.parallel.interleave},
                 {"micro_batch", sc.training.micro_batch}, {"grad_accum", sc.training.grad_accum},

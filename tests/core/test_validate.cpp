@@ -4,6 +4,10 @@
 #include "core/scenario_loader.hpp"
 #include "core/validate.hpp"
 #include "scenario_test_util.hpp"
+#include "validation/harness.hpp"
+
+#include <filesystem>
+#include <fstream>
 
 using namespace dssim;
 using namespace dssim::test;
@@ -239,4 +243,55 @@ TEST_CASE("validate() checks a Scenario built in code", "[validate]") {
   Scenario d = s;
   d.cluster.topology = "torus";
   CHECK_THAT(config_error([&] { validate(d); }), Contains("cluster.topology must be fat_tree or star, got 'torus'"));
+}
+
+// validation/harness.cpp: a throughput table's `tokens_per_second_per_gpu` is the job's tokens/s
+// over its GPUs (llm-foundry's "Throughput (T/s/GPU)", torchtitan's "TPS/GPU").
+TEST_CASE("validate: tokens_per_second_per_gpu divides the job's tokens/s by its GPUs", "[validate]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "dssim_test_tokens_per_gpu";
+  fs::create_directories(dir);
+  const fs::path table = dir / "t.yaml";
+  {
+    std::ofstream o(table);
+    o << "name: t\ncitation: test\nkind: throughput\nmetric: tokens_per_second_per_gpu\n"
+         "unit: tokens/s per GPU\nscenario:\n"
+         "  model: tiny\n  training: {global_batch: 8, micro_batch: 1}\n"
+         "  cluster: {preset: single-node-pcie, gpus_per_node: 2}\n"
+         "rows:\n  - {label: two, published: 2000}\n"
+         "  - {label: four, published: 1000, set: [cluster.gpus_per_node=4]}\n";
+  }
+  // Every prediction: 4000 tokens/s for the whole job.
+  const dssim::validation::Predictor predict = [](const Scenario&) {
+    Report r;
+    r.iteration_seconds = 1;
+    r.tokens_per_second = 4000;
+    return r;
+  };
+  const dssim::validation::Table t = dssim::validation::run_table(table.string(), predict);
+  fs::remove_all(dir);
+  REQUIRE(t.rows.size() == 2);
+  CHECK(t.rows[0].predicted == Approx(2000));  // 4000 / 2 GPUs
+  CHECK(t.rows[1].predicted == Approx(1000));  // 4000 / 4 GPUs
+  CHECK(t.rows[0].error == Approx(0));
+  CHECK(t.max_abs_error == Approx(0));
+}
+
+TEST_CASE("validate: an unknown metric names the known ones", "[validate]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "dssim_test_unknown_metric";
+  fs::create_directories(dir);
+  const fs::path table = dir / "t.yaml";
+  {
+    std::ofstream o(table);
+    o << "name: t\ncitation: test\nkind: throughput\nmetric: tokens_per_gpu\nunit: x\nscenario:\n"
+         "  model: tiny\n  training: {global_batch: 8, micro_batch: 1}\n"
+         "  cluster: {preset: single-node-pcie, gpus_per_node: 2}\n"
+         "rows:\n  - {label: two, published: 2000}\n";
+  }
+  const std::string err = config_error([&] {
+    dssim::validation::run_table(table.string(), [](const Scenario&) { Report r; r.tokens_per_second = 1; return r; });
+  });
+  fs::remove_all(dir);
+  CHECK_THAT(err, Contains("unknown metric 'tokens_per_gpu'") && Contains("tokens_per_second_per_gpu"));
 }
