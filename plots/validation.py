@@ -90,9 +90,15 @@ def labelled_rows(rows: list[Row], max_labels: int = 14, worst: int = 6) -> list
 def plot_validation(tables: list[Table], out: str | Path, title: str | None = None, note: str | None = None) -> Path:
     common.apply_style()
     n = len(tables)
-    fig, axes = plt.subplots(1, n, figsize=(6.3 * n, 7.4), squeeze=False)
-    axes = axes[0]
-    fig.subplots_adjust(left=0.085 / n * 1.3, right=0.98, top=0.88, bottom=0.27, wspace=0.25)
+    # At most three panels a row: seven tables in one row would be a 4,000-pixel-wide strip.
+    ncols = min(n, 3)
+    nrows = (n + ncols - 1) // ncols
+    fig, grid = plt.subplots(nrows, ncols, figsize=(6.3 * ncols, 7.4 * nrows), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    fig.subplots_adjust(left=0.085 / ncols * 1.3, right=0.98, top=1 - 0.12 / nrows, bottom=0.27 / nrows,
+                        wspace=0.25, hspace=0.27 / (1 - 0.27 / nrows) * nrows)
     for i, (ax, t) in enumerate(zip(axes, tables)):
         vals = [v for r in t.rows for v in (r.published, r.predicted)]
         lo, hi = min(vals), max(vals)
@@ -143,11 +149,13 @@ def plot_validation(tables: list[Table], out: str | Path, title: str | None = No
                                  legend_kw={"fontsize": 8.5}, outside_y=below_axes_y(ax), fontsize=7.5)
         leg = ax.get_legend()
         cite = textwrap.fill(t.citation, 95 if n == 1 else 80)
+        if len(cite) > 900:  # a long provenance note: the first lines, the YAML has the rest
+            cite = cite[:900].rsplit(" ", 1)[0] + " ..."
         y_cite = below_axes_y(ax, leg if leg.get_bbox_to_anchor().y0 < ax.get_window_extent().y0 else None)
         ax.text(0.0, y_cite, cite, transform=ax.transAxes, fontsize=7.5, color="#555555", va="top", ha="left")
     fig.suptitle(title or "dssim predicted vs published", x=0.02, ha="left", fontweight="bold", fontsize=12.5)
     if note:
-        fig.text(0.02, 0.935, note, fontsize=9, color="#444444")
+        fig.text(0.02, 1 - 0.065 / nrows, note, fontsize=9, color="#444444")
     return common.save(fig, out)
 
 
