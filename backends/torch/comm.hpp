@@ -63,6 +63,13 @@ class Communicator {
   virtual std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf,
                                                  const std::vector<std::pair<int64_t, int64_t>>& owners,
                                                  Purpose p) = 0;
+  // All-to-all of equal chunks: in and out have the same numel, a multiple of size(); chunk r of
+  // `in` goes to rank r, and out's chunk r comes from rank r (c10d all_to_all_single). Counted as
+  // Op::AllToAll with in's bytes (what each rank sends, its own chunk included: nccl-tests' size).
+  // Byte tensors (uint8) too: the 1-bit Adam sign exchange.
+  virtual std::shared_ptr<Work> all_to_all(at::Tensor& out, const at::Tensor& in, Purpose p) {
+    throw std::logic_error(name() + " communicator: all_to_all is not implemented");
+  }
   virtual std::shared_ptr<Work> broadcast(at::Tensor& t, int root, Purpose p) = 0;
   virtual void barrier() = 0;
 

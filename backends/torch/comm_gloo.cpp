@@ -93,6 +93,15 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> ins{in.contiguous().view({-1})};
     return wrap(issue([&] { return pg_->allgather(outs, ins); }), nullptr);
   }
+  std::shared_ptr<Work> all_to_all(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    TORCH_CHECK(out.numel() == in.numel() && in.numel() % size_ == 0,
+                "all_to_all: input and output of the same size, a multiple of the group size");
+    TORCH_CHECK(out.is_contiguous(), "all_to_all: contiguous output");
+    count(Op::AllToAll, p, double(in.numel() * in.element_size()));
+    at::Tensor src = in.contiguous().view({-1}), dst = out.view({-1});
+    std::vector<int64_t> counts;  // empty: equal splits
+    return wrap(issue([&] { return pg_->alltoall_base(dst, src, counts, counts); }), [src] {});
+  }
   std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf,
                                          const std::vector<std::pair<int64_t, int64_t>>& owners,
                                          Purpose p) override {

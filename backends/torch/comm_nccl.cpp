@@ -39,6 +39,8 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kDouble: return ncclFloat64;
     case at::kLong: return ncclInt64;
     case at::kInt: return ncclInt32;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
     default: throw CommError("nccl: unsupported tensor dtype");
   }
 }
@@ -137,6 +139,24 @@ class NcclCommunicator final : public Communicator {
     return launch("all_gather", [&](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in), comm_, s);
     });
+  }
+  std::shared_ptr<Work> all_to_all(at::Tensor& out, const at::Tensor& in, Purpose p) override {
+    TORCH_CHECK(out.numel() == in.numel() && in.numel() % size_ == 0,
+                "all_to_all: input and output of the same size, a multiple of the group size");
+    TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "all_to_all: contiguous tensors");
+    count(Op::AllToAll, p, double(in.numel() * in.element_size()));
+    // NCCL has no all-to-all: one grouped send and receive per peer (as c10d's ProcessGroupNCCL).
+    return launch("all_to_all", [&](cudaStream_t s) {
+      const int64_t chunk = in.numel() / size_, bytes = chunk * in.element_size();
+      const char* src = static_cast<const char*>(in.data_ptr());
+      char* dst = static_cast<char*>(out.data_ptr());
+      ncclGroupStart();
+      for (int r = 0; r < size_; ++r) {
+        ncclSend(src + r * bytes, chunk, nccl_type(in), r, comm_, s);
+        ncclRecv(dst + r * bytes, chunk, nccl_type(out), r, comm_, s);
+      }
+      return ncclGroupEnd();
+    }, in);
   }
   std::shared_ptr<Work> reduce_to_owners(at::Tensor& buf, const std::vector<std::pair<int64_t, int64_t>>& owners,
                                          Purpose p) override {
