@@ -44,6 +44,7 @@ void write_rank_checkpoint(const fs::path& dir, int rank, const RankCheckpoint& 
     write_tensor(out, c.master);
     write_tensor(out, c.exp_avg);
     write_tensor(out, c.exp_avg_sq);
+    for (const auto& t : c.extra) write_tensor(out, t);
     out.flush();
     if (!out) throw std::runtime_error("cannot write checkpoint " + tmp);
   }
@@ -98,6 +99,7 @@ void read_rank_checkpoint(const fs::path& dir, int rank, int64_t step, RankCheck
   read_tensor(f, c.master, file);
   read_tensor(f, c.exp_avg, file);
   read_tensor(f, c.exp_avg_sq, file);
+  for (auto& t : c.extra) read_tensor(f, t, file);
 }
 
 }  // namespace dssim::tb

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 #include <torch/torch.h>
 #include "backends/torch/loss_scaler.hpp"
 
@@ -15,6 +16,8 @@ struct RankCheckpoint {
   int64_t step = 0, adam_step = 0;
   DynamicLossScaler::State scaler{};
   at::Tensor master, exp_avg, exp_avg_sq;  // read into in place (their sizes must match)
+  std::vector<at::Tensor> extra;           // further optimizer state (1-bit Adam's error buffers), same
+
 };
 
 // What must match to resume: resharding across layouts is not implemented.

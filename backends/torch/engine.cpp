@@ -20,6 +20,8 @@
 #include "backends/torch/checkpoint.hpp"
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/host_accumulator.hpp"
+#include "backends/torch/onebit_adam.hpp"
+#include "core/program_builder.hpp"
 #include "backends/torch/pipeline.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/grid.hpp"
@@ -96,8 +98,9 @@ class Engine {
         scaler_(sc.precision.loss_scale, fp16_),
         data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world) {
     const auto& par = sc.parallel;
-    if (sc.optimizer.kind != OptimizerKind::adamw)
-      throw std::invalid_argument("torch backend: only AdamW is implemented (the scenario asks for 1-bit Adam)");
+    if (sc.optimizer.kind != OptimizerKind::adamw && sc.optimizer.kind != OptimizerKind::onebit_adam)
+      throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
+                                              "asks for ") + to_string(sc.optimizer.kind) + ")");
     if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
     if (par.pp > 1 && stage_ >= 2)
       throw std::invalid_argument("zero.stage " + std::to_string(stage_) +
@@ -150,6 +153,7 @@ class Engine {
     part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_, layout_.units));
     allocate();
     plan_gradient_norm();
+    if (sc.optimizer.kind == OptimizerKind::onebit_adam) setup_onebit();
   }
 
   EngineResult run();
@@ -549,7 +553,8 @@ class Engine {
   }
 
   // ---- communication ------------------------------------------------------------------------
-  double scale_for_average() const { return 1.0 / double(dp_); }
+  // 1-bit Adam's compressed phase keeps each rank's own gradient (its momentum is averaged).
+  double scale_for_average() const { return local_grads_ ? 1.0 : 1.0 / double(dp_); }
 
   void reduce_gradients(const Instruction& in) {
     const int k = in.bucket;
@@ -661,7 +666,8 @@ class Engine {
   }
   void fold_local_bucket(int k) {
     if (!grad_dirty_[k]) return;
-    if (dp_ > 1) throw std::runtime_error("Program error: gradients of bucket " + std::to_string(k) + " left unreduced");
+    if (dp_ > 1 && !local_grads_)
+      throw std::runtime_error("Program error: gradients of bucket " + std::to_string(k) + " left unreduced");
     if (stage_ == 2) {
       if (!direct_partition_) {  // direct: backward accumulated into the partition itself
         auto buf = take_bucket(k);
@@ -973,8 +979,71 @@ class Engine {
     norm_by_ranges_ = true;
   }
 
+  // ---- 1-bit Adam (backends/torch/onebit_adam.hpp) -------------------------------------------
+  // The warm-up steps run the Program of a step before freeze_step (gradient all-reduce, AdamW),
+  // the others the compressed one (no gradient reduction; the OneBit instructions, then the step).
+  void setup_onebit() {
+    const auto& par = sc_.parallel;
+    if (stage_ != 0 || par.tp > 1 || par.pp > 1 || offload_ || fp16_)
+      throw std::invalid_argument("torch backend: 1-bit Adam runs with zero.stage 0, tp = pp = 1, no offload and "
+                                  "fp32 or bf16 (fp16's loss scaler with rank-local gradients is not implemented)");
+    onebit_ = std::make_unique<OnebitAdam>(master_.numel(), dp_comm_.get(), sc_.optimizer.freeze_step, master_.options());
+    Scenario warm = sc_, compressed = sc_;
+    warm.optimizer.step = 0;
+    compressed.optimizer.step = std::max(sc_.optimizer.step, sc_.optimizer.freeze_step);
+    warm_program_ = build_program(warm);
+    compressed_program_ = build_program(compressed);
+  }
+  const RankProgram& program_of_step() const {
+    if (!onebit_) return program_.ranks[rank_];
+    return (onebit_->compressing(step_) ? compressed_program_ : warm_program_).ranks.at(rank_);
+  }
+  void onebit_instruction(const Instruction& in) {
+    if (!onebit_ || !local_grads_)
+      throw std::runtime_error(std::string("Program error: ") + to_string(in.op) + "/" + to_string(in.purpose) +
+                               " outside 1-bit Adam's compressed phase");
+    if (in.purpose == Purpose::OneBitSigns) {  // the momentum from this rank's own gradient first
+      at::Tensor g = step_gradient();
+      if (!g.defined()) throw std::logic_error("1-bit Adam: skipped step");
+      onebit_->update_momentum(exp_avg_, g, sc_.optimizer.beta1);
+      g.zero_();
+    }
+    onebit_->run(in, exp_avg_);
+  }
+
   // ---- optimizer ----------------------------------------------------------------------------
   void optimizer_step() {
+    const auto& opt = sc_.optimizer;
+    const AdamWHyper hyper{opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay};
+    if (onebit_ && local_grads_) {  // variance frozen; the momentum was all-reduced compressed
+      at::NoGradGuard ng;
+      if (!onebit_->momentum_ready()) {
+        if (dp_ > 1) throw std::runtime_error("Program error: 1-bit Adam's step before its compressed all-reduce");
+        at::Tensor g = step_gradient();  // one rank: no communication (DeepSpeed: size > 1 only)
+        onebit_->update_momentum(exp_avg_, g, opt.beta1);
+        g.zero_();
+      }
+      step_scale_ = scaler_.scale();
+      step_skipped_ = false;
+      adam_step_ += 1;
+      onebit_->step(master_, exp_avg_, exp_avg_sq_, adam_step_, hyper);
+      publish_master();
+      return;
+    }
+    at::Tensor g = step_gradient();
+    if (!g.defined()) return;  // skipped (fp16 overflow)
+    adam_step_ += 1;
+    // Both clear g (grad_acc_ unless copied above) for the next step, the host one in the AdamW pass itself.
+    if (offload_) host_step_and_publish(g, hyper);
+    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
+    if (fp16_) scaler_.update(false);
+    if (!offload_) publish_master();
+  }
+
+  // The step's gradient: reductions completed and folded, unscaled, clipped (the global norm
+  // over this rank's accumulator; rank-local in 1-bit Adam's compressed phase, as DeepSpeed
+  // clips before its optimizer). Undefined when the step is skipped (fp16 overflow).
+  at::Tensor step_gradient() {
     check_tp_ledger();
     flush_all();
     at::NoGradGuard ng;
@@ -1021,7 +1090,7 @@ class Engine {
       step_skipped_ = true;
       scaler_.update(true);  // throws at the minimum scale, with DeepSpeed's message
       acc.zero_();
-      return;
+      return at::Tensor();
     }
     if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
     double coef = inv_scale;
@@ -1032,14 +1101,7 @@ class Engine {
     at::Tensor g = acc;
     // With the optimizer offloaded, g, master and moments are host tensors: the step runs on the CPU.
     if (coef != 1.0) g.mul_(coef);
-    adam_step_ += 1;
-    const auto& opt = sc_.optimizer;
-    const AdamWHyper hyper{opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay};
-    // Both clear g (grad_acc_ unless copied above) for the next step, the host one in the AdamW pass itself.
-    if (offload_) host_step_and_publish(g, hyper);
-    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
-    if (fp16_) scaler_.update(false);
-    if (!offload_) publish_master();
+    return g;
   }
 
   // The host's gradient sums must be complete before the step reads them; the wait is the part of
@@ -1108,17 +1170,24 @@ class Engine {
     at::NoGradGuard ng;
     const fs::path root(o_.checkpoint_dir);
     write_rank_checkpoint(root / checkpoint_step_dir(step_), rank_,
-                          {step_, adam_step_, scaler_.state(), master_, exp_avg_, exp_avg_sq_});
+                          {step_, adam_step_, scaler_.state(), master_, exp_avg_, exp_avg_sq_, checkpoint_extra()});
     world_.barrier();  // every shard is in place before the manifest names the step
     if (rank_ == 0) write_checkpoint_manifest(root, step_, checkpoint_layout());
     world_.barrier();
+  }
+
+  // 1-bit Adam's error buffers (this rank's; DeepSpeed resets them on load, dssim keeps them so
+  // that a resumed run continues bit for bit).
+  std::vector<at::Tensor> checkpoint_extra() {
+    if (!onebit_) return {};
+    return {onebit_->worker_error(), onebit_->server_error()};
   }
 
   void load_checkpoint() {
     at::NoGradGuard ng;
     int64_t step = 0;
     const fs::path dir = read_checkpoint_manifest(fs::path(o_.checkpoint_dir), checkpoint_layout(), &step);
-    RankCheckpoint c{0, 0, {}, master_, exp_avg_, exp_avg_sq_};
+    RankCheckpoint c{0, 0, {}, master_, exp_avg_, exp_avg_sq_, checkpoint_extra()};
     read_rank_checkpoint(dir, rank_, step, c);
     adam_step_ = c.adam_step;
     scaler_.restore(c.scaler);
@@ -1303,16 +1372,21 @@ class Engine {
             else if (in.purpose == Purpose::TensorParallel) reduce_sequence_parallel_grads(in);
             else throw std::runtime_error(std::string("torch backend: unsupported collective purpose ") + to_string(in.purpose));
             break;
+          case Op::AllToAll:
+            if (in.purpose == Purpose::OneBitSigns) onebit_instruction(in);
+            else throw std::runtime_error(std::string("torch backend: all-to-all ") + to_string(in.purpose) +
+                                          " is not supported (MoE all-to-alls are not implemented in the torch backend)");
+            break;
           case Op::AllGather:
             if (in.purpose == Purpose::ParamGather) gather_params(in);
+            else if (in.purpose == Purpose::OneBitScales || in.purpose == Purpose::OneBitServer) onebit_instruction(in);
             else throw std::runtime_error(std::string("torch backend: unsupported all-gather purpose ") + to_string(in.purpose));
             break;
           case Op::CopyD2H: copy_d2h(in); break;
           case Op::CopyH2D: copy_h2d(in); break;
           default:
             throw std::runtime_error(std::string("torch backend: instruction ") + to_string(in.op) + "/" +
-                                     to_string(in.purpose) + " is not supported (MoE all-to-alls and 1-bit Adam are not "
-                                     "implemented in the torch backend)");
+                                     to_string(in.purpose) + " is not supported by the torch backend");
         }
       }
       // TP collectives ran inside the compute: reported under their own kinds.
@@ -1433,6 +1507,9 @@ class Engine {
   bool aliased_ = false;  // ZeRO-3 on one rank: the gathered parameters are views of the shard
   std::vector<Deferred> deferred_;
   std::map<std::string, double> seconds_by_op_, expected_;
+  std::unique_ptr<OnebitAdam> onebit_;
+  Program warm_program_, compressed_program_;  // 1-bit Adam: before / from freeze_step
+  bool local_grads_ = false;  // 1-bit Adam's compressed phase: gradients stay on their rank
 };
 
 EngineResult Engine::run() {
@@ -1472,7 +1549,8 @@ EngineResult Engine::run() {
     auto t0 = Clock::now();
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
-    execute(rp, record ? &res.memory_timeline : nullptr);
+    local_grads_ = onebit_ && onebit_->compressing(step_);
+    execute(program_of_step(), record ? &res.memory_timeline : nullptr);
     check_tp_ledger();
     pipe_.finish_sends();
     if (!mbs_.empty() || !send_grad_.empty())
@@ -1532,7 +1610,8 @@ EngineResult Engine::run() {
   // With the optimizer offloaded the fp32 gradient buffer is a host one, counted with the states.
   // Stage 2: the 16-bit partition and the bucket buffers at their peak.
   double params = 0, grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)) + bucket_peak_,
-         optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0);
+         optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0) +
+                 (onebit_ ? bytes(onebit_->worker_error()) + bytes(onebit_->server_error()) : 0);
   if (stage_ <= 2) params = bytes(flat16_);
   else {
     params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;
