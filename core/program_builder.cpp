@@ -27,6 +27,7 @@
 #include "core/program_builder.hpp"
 
 #include <algorithm>
+#include <numeric>
 #include <span>
 #include <cmath>
 #include <limits>
@@ -1127,8 +1128,9 @@ class Builder {
     x.postponed.clear();
     if (onebit_) {
       // deepspeed/runtime/comm/nccl.py NcclBackend.compressed_allreduce on the flat momentum,
-      // padded to a multiple of 8 * N: all-to-all of packed worker signs, all-gather of worker
-      // scales, all-gather of packed server signs, all-gather of server scales.
+      // padded as deepspeed/runtime/fp16/onebit/adam.py pads it (corrected_tensor_size: a multiple
+      // of N * divider, divider = lcm(N, 8) = N * 8 / gcd(N, 8)): all-to-all of packed worker signs,
+      // all-gather of worker scales, all-gather of packed server signs, all-gather of server scales.
       for (int pass = 0; pass < 2; ++pass) {
         const bool expert = pass == 1;
         if (expert && !plan.has_expert) continue;
@@ -1136,7 +1138,8 @@ class Builder {
         const int n_ranks = expert ? x.edp_n : x.dp_n;
         if (grp < 0) continue;
         const double numel = double(expert ? plan.expert.numel : plan.dense.numel);
-        const double n = std::ceil(numel / (8.0 * n_ranks)) * 8.0 * n_ranks;
+        const double unit = double(n_ranks) * (8.0 * n_ranks / std::gcd(n_ranks, 8));
+        const double n = std::ceil(numel / unit) * unit;
         const std::tuple<Op, Purpose, double> phases[] = {
             {Op::AllToAll, Purpose::OneBitSigns, n / 8},
             {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks},

@@ -453,6 +453,23 @@ TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload 
     CHECK(server == Approx(n / 8));
     CHECK(scales == 2);
   }
+  SECTION("1-bit Adam pads the momentum as DeepSpeed does: a multiple of N * lcm(N, 8)") {
+    // deepspeed/runtime/fp16/onebit/adam.py: divider = size * 8 / gcd(size, 8); the buffer is
+    // padded to a multiple of size * divider (3 ranks: 72 elements, not 24; 6 ranks: 144).
+    for (const auto& [dp, unit] : {std::pair{2, 16.0}, {3, 72.0}, {4, 32.0}, {6, 144.0}, {8, 64.0}}) {
+      INFO("dp " << dp);
+      Scenario sc = tiny(1, 1, dp, 0);
+      sc.optimizer.kind = OptimizerKind::onebit_adam;
+      sc.optimizer.freeze_step = 1;
+      sc.optimizer.step = 1;
+      const Program p = build_program(sc);
+      const double n = std::ceil(parameter_count(sc.model) / unit) * unit;
+      for (const Instruction& in : p.ranks[0].instructions) {
+        if (in.purpose == Purpose::OneBitSigns || in.purpose == Purpose::OneBitServer) CHECK(in.bytes == Approx(n / 8));
+        if (in.purpose == Purpose::OneBitScales) CHECK(in.bytes == Approx(4.0 * dp));
+      }
+    }
+  }
   SECTION("CPU offload: D2H gradients, host step, H2D parameters") {
     Scenario sc = tiny(1, 2, 2, 2);
     sc.zero.offload_optimizer = true;
