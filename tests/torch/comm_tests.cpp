@@ -13,9 +13,13 @@
 #include <cstdio>
 #include <functional>
 #include <sstream>
+#include <numeric>
 #include <thread>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include "backends/torch/comm.hpp"
+#include "backends/torch/onebit_adam.hpp"
+#include "backends/torch/optimizer_kernels.hpp"
 
 using namespace dssim;
 using namespace dssim::tb;
@@ -334,4 +338,161 @@ TEST_CASE("local communicator: identity collectives and a sub-group of one", "[c
   REQUIRE_THROWS_AS(c->send(t, 0, 0, Purpose::None), std::logic_error);
   REQUIRE_THROWS_AS(c->recv(t, 0, 0, Purpose::None), std::logic_error);
   REQUIRE_THROWS_AS(c->subgroup({1}), std::invalid_argument);
+}
+
+// ---- all-to-all and 1-bit Adam --------------------------------------------------------------
+
+TEST_CASE("gloo all-to-all of byte tensors and all-gather of bytes, 2 and 4 ranks", "[comm][gloo][onebit]") {
+  for (int n : {2, 4}) {
+    INFO(n << " ranks");
+    require_all_ok(run_ranks(n, [](Rank& rk) {
+      Communicator& c = *rk.comm;
+      const int r = rk.rank, n = rk.size;
+      const int64_t chunk = 5;
+      // Rank r sends byte 10 * r + d + k (k the index in the chunk) to rank d.
+      auto in = at::empty({n * chunk}, at::kByte);
+      for (int d = 0; d < n; ++d)
+        for (int k = 0; k < chunk; ++k) in[d * chunk + k] = 10 * r + d + k;
+      auto out = at::zeros({n * chunk}, at::kByte);
+      c.all_to_all(out, in, Purpose::OneBitSigns)->wait();
+      for (int s = 0; s < n; ++s)
+        for (int k = 0; k < chunk; ++k) CHILD_CHECK(out[s * chunk + k].item<int>() == 10 * s + r + k);
+      CHILD_CHECK(bytes_of(c, Op::AllToAll, Purpose::OneBitSigns) == double(n * chunk));
+      auto mine = at::full({3}, 200 + r, at::kByte);
+      auto all = at::empty({3 * n}, at::kByte);
+      c.all_gather(all, mine, Purpose::OneBitServer)->wait();
+      for (int s = 0; s < n; ++s) CHILD_CHECK(all[3 * s].item<int>() == 200 + s);
+      CHILD_CHECK(bytes_of(c, Op::AllGather, Purpose::OneBitServer) == double(3 * n));
+    }));
+  }
+}
+
+TEST_CASE("1-bit sign packing: 8 signs a byte, first element in the most significant bit", "[onebit]") {
+  auto x = at::tensor({1.f, -1.f, 0.f, -0.5f, 2.f, 3.f, -4.f, 5.f, -1.f, -1.f, -1.f, -1.f, -1.f, -1.f, -1.f, 0.f});
+  auto p = dssim::tb::pack_signs(x);
+  REQUIRE(p.scalar_type() == at::kByte);
+  REQUIRE(p.numel() == 2);
+  CHECK(p[0].item<int>() == 0b10101101);  // zero counts as + (DeepSpeed's sign().add_(1).bool())
+  CHECK(p[1].item<int>() == 0b00000001);
+  auto u = dssim::tb::unpack_signs(p);
+  REQUIRE(u.numel() == 16);
+  for (int i = 0; i < 16; ++i) CHECK(u[i].item<float>() == (x[i].item<float>() >= 0 ? 1.f : -1.f));
+  CHECK(dssim::tb::onebit_padded_numel(1, 2) == 16);
+  CHECK(dssim::tb::onebit_padded_numel(17, 2) == 32);
+  CHECK(dssim::tb::onebit_padded_numel(1, 3) == 72);  // 3 * lcm(3, 8)
+  CHECK(dssim::tb::onebit_padded_numel(33, 4) == 64);
+}
+
+namespace {
+
+// Deterministic per-(rank, step) gradients, different on every rank.
+at::Tensor test_grad(int64_t numel, int rank, int step) {
+  at::Generator g = at::detail::createCPUGenerator(uint64_t(1000 * step + rank + 7));
+  return at::randn({numel}, g, kF).mul_(0.1 * (1 + rank));
+}
+
+// The algorithm in one process over all `n` ranks, written from Tang et al. (2021) Algorithm 1 /
+// DeepSpeed's OnebitAdam + compressed_allreduce without any communication or bit packing:
+// warm-up: AdamW on the averaged gradient; then per rank m_r = b1 m_r + (1 - b1) g_r, the
+// error-compensated two-level 1-bit average of the m_r, the update with the frozen variance.
+// Returns every rank's parameters.
+std::vector<at::Tensor> onebit_reference(int n, int64_t numel, int steps, int64_t freeze, const AdamWHyper& h) {
+  const int64_t divider = std::lcm(int64_t(n), int64_t(8)), unit = n * divider;
+  const int64_t padded = (numel + unit - 1) / unit * unit, chunk = padded / n;
+  at::Tensor p = at::linspace(-1, 1, numel, kF);
+  std::vector<at::Tensor> ps(n), ms(n), werr(n), serr(n);
+  at::Tensor m = at::zeros({numel}, kF), v = at::zeros({numel}, kF);
+  for (int r = 0; r < n; ++r) {
+    werr[r] = at::zeros({padded}, kF);
+    serr[r] = at::zeros({chunk}, kF);
+  }
+  auto sgn = [](const at::Tensor& x) { return at::where(x >= 0, at::ones_like(x), -at::ones_like(x)); };
+  for (int t = 0; t < steps; ++t) {
+    const double bc1 = 1 - std::pow(h.beta1, t + 1);
+    if (t < freeze) {
+      at::Tensor g = at::zeros({numel}, kF);
+      for (int r = 0; r < n; ++r) g += test_grad(numel, r, t);
+      g /= n;
+      m = m * h.beta1 + g * (1 - h.beta1);
+      v = v * h.beta2 + g * g * (1 - h.beta2);
+      const double bc2 = 1 - std::pow(h.beta2, t + 1);
+      p = p * (1 - h.lr * h.weight_decay) - (h.lr / bc1) * m / (v.sqrt() / std::sqrt(bc2) + h.eps);
+      if (t + 1 == freeze)
+        for (int r = 0; r < n; ++r) ms[r] = m.clone();
+      continue;
+    }
+    // Worker side.
+    std::vector<at::Tensor> q(n);
+    for (int r = 0; r < n; ++r) {
+      ms[r] = ms[r] * h.beta1 + test_grad(numel, r, t) * (1 - h.beta1);
+      at::Tensor x = at::cat({ms[r], at::zeros({padded - numel}, kF)}) + werr[r];
+      const at::Tensor scale = at::norm(x) / std::sqrt(double(padded));
+      q[r] = scale * sgn(x);
+      werr[r] = x - q[r];
+    }
+    // Server side: rank j owns elements [j chunk, (j + 1) chunk).
+    at::Tensor avg = at::zeros({padded}, kF);
+    for (int j = 0; j < n; ++j) {
+      at::Tensor y = at::zeros({chunk}, kF);
+      for (int r = 0; r < n; ++r) y += q[r].narrow(0, j * chunk, chunk) / double(n);
+      y += serr[j];
+      const at::Tensor scale = at::norm(y) / std::sqrt(double(chunk));
+      const at::Tensor c = scale * sgn(y);
+      serr[j] = y - c;
+      avg.narrow(0, j * chunk, chunk).copy_(c);
+    }
+    const double bc2 = 1 - std::pow(h.beta2, double(freeze));
+    for (int r = 0; r < n; ++r) ms[r] = avg.narrow(0, 0, numel).clone();
+    p = p * (1 - h.lr * h.weight_decay) - (h.lr / bc1) * ms[0] / (v.sqrt() / std::sqrt(bc2) + h.eps);
+  }
+  for (int r = 0; r < n; ++r) ps[r] = p.clone();
+  return ps;
+}
+
+}  // namespace
+
+TEST_CASE("1-bit Adam over gloo equals a one-process reference, 2 and 4 ranks", "[onebit][gloo]") {
+  for (int n : {2, 4}) {
+    INFO(n << " ranks");
+    require_all_ok(run_ranks(n, [](Rank& rk) {
+      Communicator& c = *rk.comm;
+      const int r = rk.rank, n = rk.size;
+      const int64_t numel = 1001, freeze = 3;
+      const int steps = 10;
+      const AdamWHyper h{1e-2, 0.9, 0.999, 1e-8, 0.01};
+      at::Tensor p = at::linspace(-1, 1, numel, kF), m = at::zeros({numel}, kF), v = at::zeros({numel}, kF);
+      dssim::tb::OnebitAdam ob(numel, &c, freeze, kF);
+      const int64_t padded = ob.padded_numel();
+      for (int t = 0; t < steps; ++t) {
+        at::Tensor g = test_grad(numel, r, t);
+        if (!ob.compressing(t)) {  // the engine's warm-up: averaged gradient, AdamW
+          c.allreduce(g, Purpose::GradientReduce)->wait();
+          g.mul_(1.0 / n);
+          adamw_step(p, g, m, v, t + 1, h);
+          continue;
+        }
+        c.reset_counters();
+        ob.update_momentum(m, g, h.beta1);
+        ob.compressed_allreduce(m);
+        CHILD_CHECK(ob.momentum_ready());
+        ob.step(p, m, v, t + 1, h);
+        // Bytes as the Program counts them (core/program_builder.cpp).
+        CHILD_CHECK(bytes_of(c, Op::AllToAll, Purpose::OneBitSigns) == double(padded) / 8);
+        CHILD_CHECK(bytes_of(c, Op::AllGather, Purpose::OneBitServer) == double(padded) / 8);
+        CHILD_CHECK(bytes_of(c, Op::AllGather, Purpose::OneBitScales) == 2 * 4.0 * n);
+        CHILD_CHECK(calls_of(c, Op::AllGather, Purpose::OneBitScales) == 2);
+      }
+      const auto ref = onebit_reference(n, numel, steps, freeze, h);
+      const double rel = (p - ref[r]).norm().item<double>() / ref[r].norm().item<double>();
+      std::fprintf(stderr, "rank %d of %d: ||p - reference|| / ||reference|| = %.3g\n", r, n, rel);
+      CHILD_CHECK(rel <= 1e-6);
+      // The compression did something: the parameters are not those of uncompressed Adam.
+      at::Tensor err = ob.worker_error();
+      CHILD_CHECK(err.abs().sum().item<double>() > 0);
+      // Every rank ends with the same parameters.
+      auto all = at::empty({n * numel}, kF);
+      c.all_gather(all, p, Purpose::None)->wait();
+      for (int s = 0; s < n; ++s) CHILD_CHECK(at::equal(all.narrow(0, s * numel, numel), p));
+    }));
+  }
 }

@@ -372,3 +372,78 @@ TEST_CASE("ZeRO-2 holds the gradient partition and one bucket, as the memory mod
   const double psi = dssim::stage_parameters(sc, 0).total();
   CHECK(g2 == Approx(mb.grads + 2 * std::min(double(sc.zero.reduce_bucket_size), psi)).epsilon(1e-12));
 }
+
+// ---- 1-bit Adam (backends/torch/onebit_adam.hpp; the algorithm itself against a one-process
+// reference: comm_tests.cpp) ------------------------------------------------------------------
+
+TEST_CASE("1-bit Adam: before freeze_step the run is AdamW's, after it compressed, 2 and 4 ranks", "[onebit][gloo]") {
+  for (int n : {2, 4}) {
+    INFO(n << " ranks");
+    const std::string base = "--json --steps 6 --nproc " + std::to_string(n) +
+                             " --set training.global_batch=" + std::to_string(2 * n);
+    const fs::path pa = scratch() / ("onebit_adamw_" + std::to_string(n) + ".bin");
+    const fs::path pb = scratch() / ("onebit_warm_" + std::to_string(n) + ".bin");
+    Result a = run(base + " --dump-params " + pa.string());
+    Result b = run(base + " --set optimizer.type=onebit_adam --set optimizer.freeze_step=100 --dump-params " + pb.string());
+    Result c = run(base + " --set optimizer.type=onebit_adam --set optimizer.freeze_step=3");
+    INFO(a.err << b.err << c.err);
+    REQUIRE(a.code == 0);
+    REQUIRE(b.code == 0);
+    REQUIRE(c.code == 0);
+    // All warm-up: AdamW with the same hyper-parameters, bit for bit.
+    CHECK(losses(a) == losses(b));
+    CHECK(read_floats(pa) == read_floats(pb));
+    require_bytes_match(b);
+    // freeze_step 3: steps 1-3 are AdamW's (the 4th loss is computed before the first compressed
+    // update), then the compressed all-reduce moves the Program's bytes instead of the gradient.
+    const auto la = losses(a), lc = losses(c);
+    for (int i = 0; i < 4; ++i) CHECK(lc[i] == la[i]);
+    CHECK(lc[4] != la[4]);
+    require_bytes_match(c);
+    const auto& got = measured(c).at("bytes_per_iteration");
+    CHECK(got.contains("all_to_all/onebit_signs"));
+    CHECK(got.contains("all_gather/onebit_server"));
+  }
+}
+
+TEST_CASE("1-bit Adam: checkpoint, kill, resume continues bit for bit (error buffers saved)", "[onebit][checkpoint][gloo]") {
+  const std::string scenario = "scenarios/tiny/tiny_onebit_dp2.yaml";
+  const std::string base = "--json --steps 8 --nproc 2";
+  const fs::path dir = scratch() / "ckpt_onebit";
+  const fs::path pa = scratch() / "onebit_full.bin", pb = scratch() / "onebit_resumed.bin";
+  fs::remove_all(dir);
+  Result full = run(base + " --dump-params " + pa.string(), scenario);
+  INFO(full.err);
+  REQUIRE(full.code == 0);
+  // Checkpoint every 4 steps (compression started after step 2); rank 1 dies at the start of step 6.
+  Result killed = run(base + " --checkpoint-dir " + dir.string() + " --save-every 4 --kill-rank 1 --kill-at-step 6 --timeout 20",
+                      scenario);
+  CHECK(killed.code == 1);
+  REQUIRE(fs::exists(dir / "manifest.json"));
+  Result resumed = run(base + " --checkpoint-dir " + dir.string() + " --resume --dump-params " + pb.string(), scenario);
+  INFO(resumed.err);
+  REQUIRE(resumed.code == 0);
+  const auto a = losses(full), b = losses(resumed);
+  REQUIRE(b.size() == 4);
+  for (size_t i = 0; i < b.size(); ++i) CHECK(b[i] == a[4 + i]);  // exact
+  CHECK(read_floats(pa) == read_floats(pb));
+}
+
+TEST_CASE("tiny_onebit_dp2 trains on tiny_corpus.txt: the loss keeps falling after compression starts", "[onebit][data][gloo]") {
+  const std::string data = std::string(DSSIM_TEST_SOURCE_DIR) + "/tests/data/tiny_corpus.txt";
+  Result r = run("--json --steps 30 --nproc 2 --data " + data, "scenarios/tiny/tiny_onebit_dp2.yaml");
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  require_bytes_match(r);
+  const auto l = losses(r);
+  REQUIRE(l.size() == 30);
+  // freeze_step 2: losses[2] is the first one after a compressed update.
+  auto mean = [&](int b, int e) {
+    double s = 0;
+    for (int i = b; i < e; ++i) s += l[i];
+    return s / (e - b);
+  };
+  CHECK(mean(25, 30) < mean(2, 7) - 0.5);
+  CHECK(mean(15, 20) < mean(2, 7));
+  CHECK(mean(25, 30) < mean(15, 20));
+}
