@@ -6,6 +6,7 @@
 
 #include "core/model.hpp"
 #include "core/pipeline_partition.hpp"
+#include "core/program_builder.hpp"
 
 namespace dssim {
 
@@ -26,6 +27,25 @@ void fill_throughput(const Scenario& sc, Report& r) {
   r.mfu = r.model_tflops_per_gpu * 1e12 / peak;
   r.hfu = r.hardware_tflops_per_gpu * 1e12 / peak;
   r.time_to_train_seconds = sc.training.tokens_to_train > 0 ? sc.training.tokens_to_train / r.tokens_per_second : 0;
+}
+
+OneBitTraffic onebit_traffic(const Scenario& sc) {
+  OneBitTraffic t;
+  if (sc.optimizer.kind != OptimizerKind::onebit_adam) return t;
+  const auto dp_bytes = [&](int64_t step) {
+    Scenario s = sc;
+    s.optimizer.step = step;
+    BuildOptions bo;
+    bo.representative_only = true;
+    const Program p = build_program(s, bo);
+    double b = 0;
+    for (const auto& [purpose, v] : wire_bytes_by_purpose(p, 0))
+      if (purpose == to_string(Purpose::GradientReduce) || purpose.rfind("onebit", 0) == 0) b += v;
+    return b;
+  };
+  t.uncompressed = dp_bytes(0);
+  t.compressed = dp_bytes(std::max<int64_t>(sc.optimizer.freeze_step, sc.optimizer.step));
+  return t;
 }
 
 std::map<std::string, double> wire_bytes_by_purpose(const Program& program, int rank_index) {
@@ -190,6 +210,14 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
                            : sc.optimizer.kind == OptimizerKind::lion ? std::string("Lion (one momentum)")
                                                                       : std::string("AdamW"));
 
+  if (sc.optimizer.kind == OptimizerKind::onebit_adam && sc.parallel.dp > 1) {
+    const OneBitTraffic t = onebit_traffic(sc);
+    if (t.uncompressed > 0)
+      line(o, "1-bit compression", human_bytes(t.compressed) + " sent per GPU per iteration after freeze_step, " +
+                                      human_bytes(t.uncompressed) + " before" +
+                                      fmt(" (%.1f %% less)", 100 * (1 - t.compressed / t.uncompressed)));
+  }
+
   o << "\nMemory per GPU (peak)\n";
   for (auto& [label, v] : memory_rows(r.memory)) line(o, label, human_bytes(v));
   const double total = r.memory.total();
@@ -290,6 +318,11 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
                        {"exposed_offload", t.exposed_offload}, {"bubble", t.bubble}, {"idle", t.idle}};
   j["critical_rank"] = r.critical_rank;
   j["wire_bytes_per_rank"] = r.wire_bytes_per_rank;
+  if (sc.optimizer.kind == OptimizerKind::onebit_adam) {
+    const OneBitTraffic t = onebit_traffic(sc);
+    j["onebit_adam"] = {{"uncompressed_bytes_per_iteration", t.uncompressed},
+                        {"compressed_bytes_per_iteration", t.compressed}};
+  }
   if (!r.losses.empty()) j["losses"] = r.losses;
   j["warnings"] = sc.warnings;
   j["extras"] = r.extras;

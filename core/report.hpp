@@ -51,6 +51,14 @@ void fill_throughput(const Scenario& sc, Report& r);
 // Wire bytes per rank by purpose for the materialized rank `rank_index`.
 std::map<std::string, double> wire_bytes_by_purpose(const Program& program, int rank_index);
 
+// 1-bit Adam: the data-parallel bytes one rank sends per iteration before freeze_step (the
+// gradient all-reduce of plain Adam) and after it (the compressed all-reduce of the momentum),
+// from the two Programs the scenario builds. {0, 0} for other optimizers.
+struct OneBitTraffic {
+  double uncompressed = 0, compressed = 0;
+};
+OneBitTraffic onebit_traffic(const Scenario& sc);
+
 std::string report_text(const Scenario& sc, const Report& r, bool verbose = false);
 nlohmann::json report_json(const Scenario& sc, const Report& r);
 

@@ -11,8 +11,11 @@
 #include "core/model.hpp"
 #include "core/program_builder.hpp"
 #include "core/scenario_loader.hpp"
+#include "core/estimator.hpp"
+#include "core/report.hpp"
 
 using namespace dssim;
+using Catch::Matchers::Contains;
 
 namespace {
 
@@ -982,4 +985,25 @@ TEST_CASE("program: ZeRO++ stage representatives carry every rank's sub-groups",
   }
   CHECK(intra == 2);  // nodes 0 and 1 (hpZ's 4 = qgZ's node-local 4: the same groups)
   CHECK(inter == 4);  // one per position in the node
+}
+
+TEST_CASE("report: 1-bit Adam's bytes per iteration before and after freeze_step", "[program][onebit][report]") {
+  // scenarios/onebit_adam.yaml: 64 V100, fp16 gradients, 0.35B parameters. Before freeze_step
+  // the gradient all-reduce moves 2 (N-1)/N x 2 bytes per parameter; after it the compressed
+  // all-reduce moves 1-bit signs in its two phases (all-to-all, all-gather: (N-1)/N x 1/8 byte
+  // each) plus 4-byte scales: 1/16 of the all-reduce and a few bytes.
+  const Scenario sc = load_scenario(std::string(DSSIM_SOURCE_ROOT) + "/scenarios/onebit_adam.yaml");
+  const OneBitTraffic t = onebit_traffic(sc);
+  const double n = sc.parallel.dp;
+  const double params = parameter_count(sc.model);
+  CHECK(t.uncompressed == Approx(2 * (n - 1) / n * 2 * params).epsilon(0.01));
+  CHECK(t.compressed == Approx(t.uncompressed / 16).epsilon(0.01));
+  CHECK(t.compressed > t.uncompressed / 16);  // the scales ride along
+  const Report r = analytic_report(sc, false);
+  CHECK_THAT(report_text(sc, r), Contains("1-bit compression") && Contains("93.7 % less"));
+  CHECK(report_json(sc, r)["onebit_adam"]["compressed_bytes_per_iteration"] == Approx(t.compressed));
+  // Plain AdamW reports none.
+  Scenario adam = sc;
+  adam.optimizer.kind = OptimizerKind::adamw;
+  CHECK(onebit_traffic(adam).uncompressed == 0);
 }
