@@ -81,12 +81,13 @@ NcclGroup nccl_group(const ClusterSpec& c, const std::vector<int>& ranks) {
   return g;
 }
 
-NcclChoice nccl_candidate(const ClusterSpec& c, Op op, double bytes, const std::vector<int>& ranks,
-                          NcclAlgo algo, NcclProto proto) {
+namespace {
+// One candidate on a group whose shape and link bandwidth are already known.
+NcclChoice candidate(const ClusterSpec& c, Op op, double bytes, const NcclGroup& g, double link_bw,
+                     NcclAlgo algo, NcclProto proto) {
   NcclChoice ch;
   ch.algo = algo;
   ch.proto = proto;
-  const NcclGroup g = nccl_group(c, ranks);
   const int n = g.ranks;
   if (n <= 1) return ch;
   const bool allreduce = op == Op::AllReduce;
@@ -97,7 +98,6 @@ NcclChoice nccl_candidate(const ClusterSpec& c, Op op, double bytes, const std::
   const bool pcie = c.intra_node == "pcie";
 
   // Bus bandwidth: the links' (Simple), then NCCL's per-protocol refinements.
-  const double link_bw = group_link(c, ranks).bandwidth;
   double bus = link_bw;
   const double ll_max = 1e9 * (g.nodes == 1 ? kLLMaxBw[gen][0] : kLLMaxBw[c.host_cpu == "amd" ? 1 : 0][nodes_idx]);
   if (algo == NcclAlgo::Ring) {
@@ -150,14 +150,23 @@ NcclChoice nccl_candidate(const ClusterSpec& c, Op op, double bytes, const std::
   return ch;
 }
 
+}  // namespace
+
+NcclChoice nccl_candidate(const ClusterSpec& c, Op op, double bytes, const std::vector<int>& ranks,
+                          NcclAlgo algo, NcclProto proto) {
+  return candidate(c, op, bytes, nccl_group(c, ranks), group_link(c, ranks).bandwidth, algo, proto);
+}
+
 NcclChoice nccl_choice(const ClusterSpec& c, Op op, double bytes, const std::vector<int>& ranks) {
+  const NcclGroup g = nccl_group(c, ranks);
+  const double link_bw = group_link(c, ranks).bandwidth;
   NcclChoice best;
   bool have = false;
   for (NcclAlgo a : {NcclAlgo::Ring, NcclAlgo::Tree})
     for (NcclProto p : {NcclProto::LL, NcclProto::LL128, NcclProto::Simple}) {
       // NCCL leaves LL128 off on PCIe-only nodes (it needs NVLink's 128-byte store atomicity).
       if (p == NcclProto::LL128 && c.intra_node == "pcie") continue;
-      NcclChoice ch = nccl_candidate(c, op, bytes, ranks, a, p);
+      NcclChoice ch = candidate(c, op, bytes, g, link_bw, a, p);
       if (ch.bus_bandwidth <= 0) continue;
       if (!have || ch.seconds < best.seconds) { best = ch; have = true; }
     }

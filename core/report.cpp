@@ -210,13 +210,10 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
                            : sc.optimizer.kind == OptimizerKind::lion ? std::string("Lion (one momentum)")
                                                                       : std::string("AdamW"));
 
-  if (sc.optimizer.kind == OptimizerKind::onebit_adam && sc.parallel.dp > 1) {
-    const OneBitTraffic t = onebit_traffic(sc);
-    if (t.uncompressed > 0)
-      line(o, "1-bit compression", human_bytes(t.compressed) + " sent per GPU per iteration after freeze_step, " +
-                                      human_bytes(t.uncompressed) + " before" +
-                                      fmt(" (%.1f %% less)", 100 * (1 - t.compressed / t.uncompressed)));
-  }
+  if (const OneBitTraffic& t = r.onebit; t.uncompressed > 0)
+    line(o, "1-bit compression", human_bytes(t.compressed) + " sent per GPU per iteration after freeze_step, " +
+                                    human_bytes(t.uncompressed) + " before" +
+                                    fmt(" (%.1f %% less)", 100 * (1 - t.compressed / t.uncompressed)));
 
   o << "\nMemory per GPU (peak)\n";
   for (auto& [label, v] : memory_rows(r.memory)) line(o, label, human_bytes(v));
@@ -318,8 +315,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
                        {"exposed_offload", t.exposed_offload}, {"bubble", t.bubble}, {"idle", t.idle}};
   j["critical_rank"] = r.critical_rank;
   j["wire_bytes_per_rank"] = r.wire_bytes_per_rank;
-  if (sc.optimizer.kind == OptimizerKind::onebit_adam) {
-    const OneBitTraffic t = onebit_traffic(sc);
+  if (const OneBitTraffic& t = r.onebit; sc.optimizer.kind == OptimizerKind::onebit_adam) {
     j["onebit_adam"] = {{"uncompressed_bytes_per_iteration", t.uncompressed},
                         {"compressed_bytes_per_iteration", t.compressed}};
   }
@@ -350,6 +346,7 @@ Report make_report(const Scenario& sc, const Program& program, const Timeline& t
     r.time = attribute_time(program, timeline, critical);
     r.wire_bytes_per_rank = wire_bytes_by_purpose(program, critical);
   }
+  r.onebit = onebit_traffic(sc);
   r.memory = peak_memory(sc);
   fill_throughput(sc, r);
   r.fits = r.memory.total() <= r.gpu_memory_bytes;

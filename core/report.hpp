@@ -19,6 +19,14 @@ struct FitSuggestion {
   bool fits = false;
 };
 
+// 1-bit Adam: the data-parallel bytes one rank sends per iteration before freeze_step (the
+// gradient all-reduce of plain Adam) and after it (the compressed all-reduce of the momentum),
+// from the two Programs the scenario builds. {0, 0} for other optimizers.
+struct OneBitTraffic {
+  double uncompressed = 0, compressed = 0;
+};
+OneBitTraffic onebit_traffic(const Scenario& sc);
+
 struct Report {
   std::string backend;       // "analytic", "sim", "cpu", "cuda"
   double parameters = 0;
@@ -37,6 +45,7 @@ struct Report {
   // Bytes each rank puts on the wire per iteration, by collective purpose (the Program's
   // expectation; backends that measure add "measured_bytes" in extras).
   std::map<std::string, double> wire_bytes_per_rank;
+  OneBitTraffic onebit;              // 1-bit Adam's before / after freeze_step (make_report)
   std::vector<double> losses;        // measured backends
   nlohmann::json extras = nlohmann::json::object();  // backend-specific sections
 };
@@ -50,14 +59,6 @@ Report make_report(const Scenario& sc, const Program& program, const Timeline& t
 void fill_throughput(const Scenario& sc, Report& r);
 // Wire bytes per rank by purpose for the materialized rank `rank_index`.
 std::map<std::string, double> wire_bytes_by_purpose(const Program& program, int rank_index);
-
-// 1-bit Adam: the data-parallel bytes one rank sends per iteration before freeze_step (the
-// gradient all-reduce of plain Adam) and after it (the compressed all-reduce of the momentum),
-// from the two Programs the scenario builds. {0, 0} for other optimizers.
-struct OneBitTraffic {
-  double uncompressed = 0, compressed = 0;
-};
-OneBitTraffic onebit_traffic(const Scenario& sc);
 
 std::string report_text(const Scenario& sc, const Report& r, bool verbose = false);
 nlohmann::json report_json(const Scenario& sc, const Report& r);
