@@ -417,7 +417,6 @@ class Builder {
       sp->alignment = zero_ == 0 ? 1 : 2;
       sp->reduce_bucket_size = std::max<int64_t>(0, sc_.zero.reduce_bucket_size);
       sp->allgather_bucket_size = std::max<int64_t>(0, sc_.zero.allgather_bucket_size);
-      sp->bucket_per_layer = zero_ == 3 && sc_.zero.engine == ZeroEngine::fsdp;
     }
     plan.dense = make_zero_partition(dspec);
     plan.has_expert = !espec.numel.empty();

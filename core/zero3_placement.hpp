@@ -13,7 +13,9 @@
 // parameter): so, in steady state, one all-gather per step of at least prefetch_bucket_size
 // elements or one submodule, whichever is larger. Backward re-gathers (the forward released
 // them), and so does an activation-checkpointing recompute, which runs inside backward with the
-// same parameters live. Gradients are reduce-scattered per reduce_bucket_size.
+// same parameters live. DeepSpeed reduce-scatters gradients per reduce_bucket_size (a larger
+// tensor on its own); the Program reduce-scatters each layer once under ZeRO-3 for both engines
+// (program_builder.cpp), so DeepSpeed's per-bucket split is not modelled yet.
 //
 // FSDP (torch.distributed.fsdp, FULL_SHARD, one FSDP unit per transformer block as llm-foundry
 // and torchtitan wrap it): one all-gather per block (its flat parameter), the next block's

@@ -48,8 +48,7 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
   int64_t in_bucket = 0;
   int64_t bucket_end = z.padded_numel;  // the padding rides with the first bucket
   for (int i = n - 1; i >= 0; --i) {
-    const bool layer_ends = spec.bucket_per_layer && !spec.layer.empty() && i + 1 < n && spec.layer[i] != spec.layer[i + 1];
-    if (in_bucket > 0 && (layer_ends || (!spec.bucket_per_layer && in_bucket + spec.numel[i] > spec.reduce_bucket_size))) {
+    if (in_bucket > 0 && in_bucket + spec.numel[i] > spec.reduce_bucket_size) {
       close(i + 1, last, z.offsets[i + 1], bucket_end);
       bucket_end = z.offsets[i + 1];
       last = i;

@@ -28,9 +28,6 @@ struct ZeroPartitionSpec {
   int64_t alignment = 2;        // DeepSpeed's nccl_start_alignment_factor
   int64_t reduce_bucket_size = 500000000;     // elements
   int64_t allgather_bucket_size = 500000000;  // elements
-  // FSDP: one reduce-scatter per wrapped block; a gradient bucket also closes at every layer
-  // boundary (and holds that layer's gradients whole, whatever reduce_bucket_size says).
-  bool bucket_per_layer = false;
 };
 
 struct Range {

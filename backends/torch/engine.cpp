@@ -68,7 +68,6 @@ ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, 
   spec.alignment = z.stage == 0 ? 1 : 2;
   spec.reduce_bucket_size = std::max<int64_t>(1, z.reduce_bucket_size);
   spec.allgather_bucket_size = std::max<int64_t>(1, z.allgather_bucket_size);
-  spec.bucket_per_layer = z.stage == 3 && z.engine == ZeroEngine::fsdp;  // FSDP: one reduce-scatter per block
   return spec;
 }
 

@@ -61,22 +61,6 @@ TEST_CASE("prefetch windows: DeepSpeed's bucket, FSDP's one block", "[zero3]") {
   CHECK_FALSE(zero3_prefetch(f, 2, 0, 1));
 }
 
-TEST_CASE("FSDP reduce-scatters per block", "[zero3]") {
-  ZeroPartitionSpec sp;
-  sp.numel = {10, 20, 30, 40, 50};
-  sp.layer = {0, 0, 1, 1, 2};
-  sp.dp = 2;
-  sp.reduce_bucket_size = 1000;  // one bucket for DeepSpeed
-  CHECK(make_zero_partition(sp).grad_buckets.size() == 1);
-  sp.bucket_per_layer = true;
-  const ZeroPartition z = make_zero_partition(sp);
-  REQUIRE(z.grad_buckets.size() == 3);  // backward order: layer 2, 1, 0
-  CHECK(z.grad_buckets[0].first_tensor == 4);
-  CHECK(z.grad_buckets[1].first_tensor == 2);
-  CHECK(z.grad_buckets[1].last_tensor == 3);
-  CHECK(z.grad_buckets[2].first_tensor == 0);
-}
-
 namespace {
 const char* kAzure175b = R"(
 model: {preset: gpt3-175b, seq_len: 1024}

@@ -118,9 +118,8 @@ TEST_CASE("ZeRO-3 that frees and refills layers between forward and backward mat
 }
 
 TEST_CASE("ZeRO-3 with FSDP's granularity (one reduce-scatter per block) matches stage 0", "[zero][fsdp][gloo]") {
-  // zero.engine fsdp: the gradient buckets close at every layer (FSDP reduce-scatters each
-  // block's flat gradient), the gathers are one per layer; bytes checked per rank against the
-  // Program; more reduce-scatter calls than DeepSpeed's one-bucket layout.
+  // zero.engine fsdp: one all-gather per layer (repeat 1) and the layer's reduce-scatter; bytes
+  // checked per rank against the Program.
   const std::string scenario = "scenarios/tiny/tiny_zero3_dp2.yaml";
   Result f = run("--json --steps 10 --nproc 2 --set zero.engine=fsdp", scenario);
   Result d = run("--json --steps 10 --nproc 2", scenario);
