@@ -511,8 +511,13 @@ struct Mapper {
       else if (k == "num_experts") map("model.experts", dk, it.value(), Kind::Integer);
       else if (k == "top_k" || k == "k") map("model.top_k", dk, it.value(), Kind::Integer);
       else if (k == "capacity_factor") map("model.capacity_factor", dk, it.value(), Kind::Number);
-      else if (k == "noisy_gate_policy")
-        warn_unused(dk, "changes which experts tokens go to, not the cost dssim models");
+      else if (k == "min_capacity") map("model.min_capacity", dk, it.value(), Kind::Integer);
+      else if (k == "drop_tokens") map("model.drop_tokens", dk, it.value(), Kind::Bool);
+      else if (k == "use_rts") map("model.use_rts", dk, it.value(), Kind::Bool);
+      else if (k == "moe_loss_coeff" || k == "aux_loss_coeff") map("model.moe_loss_coeff", dk, it.value(), Kind::Number);
+      else if (k == "noisy_gate_policy") {
+        if (!it->is_null()) map("model.noisy_gate_policy", dk, it.value(), Kind::Any);  // None / Jitter / RSample
+      }
       else ignore(dk, it.value());
     }
   }

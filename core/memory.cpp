@@ -79,7 +79,7 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   const double replicated = (8 * sc + masks) * sbh / sp_div + norm_stats * s * b / sp_div;
   double split = 4 * sc * s * b * (h + kv) / t;
   if (moe_layer && m.is_moe()) {
-    const double routed = s * b * m.top_k * m.capacity_factor / t;
+    const double routed = moe_routed_slots(m, s * b) / t;
     split += routed * (2 * h + mlp_kept * f) * sc + 4.0 * s * b * m.experts / sp_div;
   } else {
     split += mlp_kept * sc * s * b * f / t;

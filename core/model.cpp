@@ -28,6 +28,29 @@ double kv_width(const ModelSpec& m) {
 }
 int mlp_matrices(const ModelSpec& m) { return m.swiglu ? 3 : 2; }
 
+int64_t ModelSpec::expert_capacity(int64_t tokens) const {
+  // deepspeed/moe/sharded_moe.py _capacity: ceil(tokens / experts * capacity_factor * k), at
+  // least min_capacity (top2gating passes capacity_factor * 2).
+  if (!is_moe()) return 0;
+  const double c = std::ceil(double(tokens) / double(experts) * capacity_factor * double(top_k));
+  return std::max<int64_t>(int64_t(c), min_capacity);
+}
+
+double moe_routed_slots(const ModelSpec& m, double tokens) {
+  if (!m.is_moe()) return 0;
+  if (m.drop_tokens) return double(m.experts) * double(m.expert_capacity(int64_t(std::llround(tokens))));
+  return tokens * m.top_k * m.capacity_factor;
+}
+
+const char* to_string(ModelSpec::NoisyGate g) {
+  switch (g) {
+    case ModelSpec::NoisyGate::none: return "none";
+    case ModelSpec::NoisyGate::jitter: return "jitter";
+    case ModelSpec::NoisyGate::rsample: return "rsample";
+  }
+  return "none";
+}
+
 bool is_moe_layer(const ModelSpec& m, int layer) {
   if (!m.is_moe()) return false;
   const int every = std::max(1, m.moe_every);
@@ -302,7 +325,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     const double experts = m.experts;
     const double ep = std::max(1, shape.ep);
     const double local_experts = std::max(1.0, experts / ep);
-    const double routed_tokens = tokens / t * m.top_k * m.capacity_factor;
+    const double routed_tokens = moe_routed_slots(m, tokens) / t;
     const double tokens_per_expert = routed_tokens / local_experts;
     ops.push_back(gemm_op("moe_gate", 1, norm_tokens, experts, h, e));
     ops.push_back(elementwise_op("moe_gate_softmax", norm_tokens * experts, kSoftmaxFlopsPerElement,

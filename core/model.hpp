@@ -22,7 +22,11 @@ int ffn_hidden_of(const ModelSpec& m);                // ffn_hidden, or 4h when 
 int kv_heads_of(const ModelSpec& m);                  // kv_heads, or heads when 0
 double kv_width(const ModelSpec& m);                  // kv_heads * head_dim (= h without GQA)
 int mlp_matrices(const ModelSpec& m);                 // 2 (GELU: up, down), 3 (SwiGLU: gate, up, down)
-bool is_moe_layer(const ModelSpec& m, int layer);     // 0-based; every moe_every-th layer (last of each group)
+bool is_moe_layer(const ModelSpec& m, int layer);
+// Expert slots a MoE layer's dispatch buffer holds for `tokens` gated tokens: experts x
+// expert_capacity (drop_tokens), or top_k x capacity_factor per token (the run-time capacity of
+// drop_tokens false, estimated).
+double moe_routed_slots(const ModelSpec& m, double tokens);     // 0-based; every moe_every-th layer (last of each group)
 // Per-sequence forward FLOPs (2 per multiply-add) of one layer / of the LM head.
 double layer_forward_flops_per_sequence(const ModelSpec& m, bool moe_layer);
 double head_forward_flops_per_sequence(const ModelSpec& m);

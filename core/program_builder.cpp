@@ -212,7 +212,10 @@ class Builder {
     const bool sp = sc.parallel.sequence_parallel;
     p2p_act_bytes_ = (sp || engine_.partition_activations) ? act_bytes_ / t_ : act_bytes_;
     p2p_grad_bytes_ = (sp || engine_.partition_gradients) ? act_bytes_ / t_ : act_bytes_;
-    a2a_bytes_ = double(b_) * m_.seq_len / t_ * m_.top_k * m_.capacity_factor * m_.hidden * g_;
+    // DeepSpeed's dispatch buffer [experts, capacity, h] of the b s tokens a TP rank gates, split
+    // over the TP group (drop_tokens). Without dropping the capacity is the busiest expert's load,
+    // known at run time only: priced as top_k x capacity_factor slots per token.
+    a2a_bytes_ = moe_routed_slots(m_, double(b_) * m_.seq_len) * m_.hidden * g_ / t_;
     onebit_ = sc.optimizer.kind == OptimizerKind::onebit_adam && zero_ == 0 &&
               sc.optimizer.step >= sc.optimizer.freeze_step;
     vs_layers_ = virtual_stage_layers(sc);

@@ -22,6 +22,18 @@ struct ModelSpec {
   int top_k = 1;
   int moe_every = 1;         // every k-th layer is a MoE layer (1 = all, 2 = alternate, as in DeepSpeed-MoE)
   double capacity_factor = 1.0;
+  // DeepSpeed-MoE's TopKGate (deepspeed/moe/sharded_moe.py, layer.MoE defaults): capacity
+  // max(ceil(top_k * tokens / experts * capacity_factor), min_capacity) slots per expert and
+  // source rank; tokens over it dropped (drop_tokens false: capacity = the busiest expert's load,
+  // a maximum over the expert-parallel group); random token selection picks which (use_rts,
+  // top-1); the gate's input jittered (Jitter) or its argmax sampled (RSample, top-1); the
+  // load-balancing loss l_aux added to the training loss times moe_loss_coeff (Megatron-DeepSpeed
+  // --moe-loss-coeff).
+  int min_capacity = 4;
+  bool drop_tokens = true;
+  bool use_rts = true;
+  enum class NoisyGate { none, jitter, rsample } noisy_gate_policy = NoisyGate::none;
+  double moe_loss_coeff = 0.01;
   bool tied_embeddings = true;   // false: a separate LM head [V, h] on the last stage
   // Llama-shaped layers (defaults = the GPT layout of Megatron eq. 2).
   int kv_heads = 0;              // key/value heads (GQA / MQA); 0 = heads (multi-head attention)
@@ -41,7 +53,10 @@ struct ModelSpec {
   bool is_moe() const { return experts > 0; }
   int kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int moe_layers() const { return is_moe() ? layers / moe_every : 0; }
+  // Expert slots per expert and source rank for `tokens` routed tokens on a rank (drop_tokens).
+  int64_t expert_capacity(int64_t tokens) const;
 };
+const char* to_string(ModelSpec::NoisyGate);
 
 struct TrainingSpec {
   int64_t global_batch = 0;  // sequences per iteration (DeepSpeed train_batch_size)

@@ -183,6 +183,16 @@ const std::vector<Field>& fields() {
     add("model.top_k", [](Scenario& s, const Entry& e) { s.model.top_k = get_int32(e, 1); });
     add("model.moe_every", [](Scenario& s, const Entry& e) { s.model.moe_every = get_int32(e, 1); });
     add("model.capacity_factor", [](Scenario& s, const Entry& e) { s.model.capacity_factor = get_positive(e, D::None); });
+    add("model.min_capacity", [](Scenario& s, const Entry& e) { s.model.min_capacity = get_int32(e, 0); });
+    add("model.drop_tokens", [](Scenario& s, const Entry& e) { s.model.drop_tokens = get_bool(e); });
+    add("model.use_rts", [](Scenario& s, const Entry& e) { s.model.use_rts = get_bool(e); });
+    add("model.noisy_gate_policy", [](Scenario& s, const Entry& e) {
+      const auto v = get_enum(e, {"none", "jitter", "rsample", "None", "Jitter", "RSample"});
+      s.model.noisy_gate_policy = (v == "jitter" || v == "Jitter")     ? ModelSpec::NoisyGate::jitter
+                                  : (v == "rsample" || v == "RSample") ? ModelSpec::NoisyGate::rsample
+                                                                       : ModelSpec::NoisyGate::none;
+    });
+    add("model.moe_loss_coeff", [](Scenario& s, const Entry& e) { s.model.moe_loss_coeff = get_non_negative(e, D::None); });
     add("model.tied_embeddings", [](Scenario& s, const Entry& e) { s.model.tied_embeddings = get_bool(e); });
     add("model.dropout", [](Scenario& s, const Entry& e) { s.model.dropout = get_non_negative(e, D::None); });
     add("model.attention", [](Scenario& s, const Entry& e) {
@@ -821,6 +831,12 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "vocab" << YAML::Value << m.vocab << YAML::Key << "seq_len" << YAML::Value << m.seq_len;
   y << YAML::Key << "experts" << YAML::Value << m.experts << YAML::Key << "top_k" << YAML::Value << m.top_k;
   y << YAML::Key << "moe_every" << YAML::Value << m.moe_every << YAML::Key << "capacity_factor" << YAML::Value << m.capacity_factor;
+  if (m.is_moe()) {
+    y << YAML::Key << "min_capacity" << YAML::Value << m.min_capacity << YAML::Key << "drop_tokens" << YAML::Value
+      << m.drop_tokens << YAML::Key << "use_rts" << YAML::Value << m.use_rts;
+    y << YAML::Key << "noisy_gate_policy" << YAML::Value << to_string(m.noisy_gate_policy) << YAML::Key
+      << "moe_loss_coeff" << YAML::Value << m.moe_loss_coeff;
+  }
   y << YAML::Key << "tied_embeddings" << YAML::Value << m.tied_embeddings;
   y << YAML::Key << "attention" << YAML::Value << (m.flash_attention ? "flash" : "unfused");
   y << YAML::Key << "dropout" << YAML::Value << m.dropout;

@@ -20,6 +20,7 @@
 #include "backends/torch/checkpoint.hpp"
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/host_accumulator.hpp"
+#include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
 #include "core/program_builder.hpp"
 #include "backends/torch/pipeline.hpp"
@@ -153,6 +154,7 @@ class Engine {
     allocate();
     plan_gradient_norm();
     if (sc.optimizer.kind == OptimizerKind::onebit_adam) setup_onebit();
+    if (sc.model.is_moe()) setup_moe();
   }
 
   EngineResult run();
@@ -303,6 +305,7 @@ class Engine {
     int unit;            // -1 the received activation, 0 embedding, 1..L block, L+1 head (loss)
     at::Tensor input;    // detached, requires grad (blocks, head)
     at::Tensor output;   // empty when recomputed in backward
+    at::Tensor aux;      // MoE layer: moe_loss_coeff x l_aux (empty when recomputed in backward)
   };
   struct MicroBatchState {
     at::Tensor tokens;
@@ -373,32 +376,35 @@ class Engine {
       if (ch.first) {
         st.tokens = batch(mb);
         auto x = embed_forward(cfg_, tp_, param(0, "forward"), st.tokens.narrow(1, 0, cfg_.seq_len));
-        st.segments.push_back({0, {}, x});
+        st.segments.push_back({0, {}, x, {}});
       } else {
         auto x = pipe_.take(Purpose::PipelineActivation, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
-        st.segments.push_back({-1, {}, x});
+        st.segments.push_back({-1, {}, x, {}});
       }
     }
     for (int l = lb; l < le; ++l) {
       const int u = cfg_.block_unit(l);
       auto x = st.segments.back().output.detach().requires_grad_(true);
+      MoeLayer moe;
+      MoeLayer* moe_ptr = moe_layer(l, mb, moe);
       at::Tensor y;
       if (checkpoint_activations_) {
         at::NoGradGuard ng;
-        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_);
-        st.segments.push_back({u, x, {}});
+        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_, moe_ptr);
+        st.segments.push_back({u, x, {}, {}});
         st.segments.back().output = y;  // kept only as the next input; dropped in backward
       } else {
-        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_);
-        st.segments.push_back({u, x, y});
+        y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_, moe_ptr);
+        st.segments.push_back({u, x, y, moe_ptr ? moe.l_aux * sc_.model.moe_loss_coeff : at::Tensor()});
       }
+      if (moe_ptr) count_routing(moe);
     }
     if (ch.last && le == ch.layer_end()) {
       auto x = st.segments.back().output.detach().requires_grad_(true);
       if (!st.tokens.defined()) st.tokens = batch(mb);  // the last stage reads the targets
       auto loss = head_loss(cfg_, tp_, param(cfg_.final_unit(), "forward"), head_weight("forward"), x,
                             st.tokens.narrow(1, 1, cfg_.seq_len));
-      st.segments.push_back({cfg_.final_unit(), x, loss});
+      st.segments.push_back({cfg_.final_unit(), x, loss, {}});
       loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach().clone();
     }
   }
@@ -461,17 +467,27 @@ class Engine {
       const int u = seg.unit;
       const auto& p = param(u, "backward");
       prepare_grad(u);
-      at::Tensor out = seg.output;
+      at::Tensor out = seg.output, aux = seg.aux;
       if (checkpoint_activations_) {
         // Timed on its own (the device is synchronised around it when measuring): the Program's
-        // Recompute instruction, run here, just before the layer's backward.
+        // Recompute instruction, run here, just before the layer's backward (a MoE layer draws
+        // the same noise and token selection again: the same routing).
         if (measuring_) timing_sync();
         auto t0 = Clock::now();
-        out = block_forward(cfg_, tp_, p, seg.input, recompute_attention_);
+        MoeLayer moe;
+        MoeLayer* moe_ptr = moe_layer(l, mb, moe);
+        out = block_forward(cfg_, tp_, p, seg.input, recompute_attention_, moe_ptr);
+        if (moe_ptr) aux = moe.l_aux * sc_.model.moe_loss_coeff;
         if (measuring_) timing_sync();
         inner_seconds_["recompute"] += seconds_since(t0);
       }
-      torch::autograd::backward({out}, {grad.to(out.scalar_type())});
+      if (aux.defined() && aux.requires_grad()) {
+        // The load-balancing loss joins the training loss, scaled as the LM loss is.
+        const double scale = scaler_.scale() / double(grad_accum_);
+        torch::autograd::backward({out, aux}, {grad.to(out.scalar_type()), at::full({}, scale, aux.options())});
+      } else {
+        torch::autograd::backward({out}, {grad.to(out.scalar_type())});
+      }
       grad = seg.input.grad();
       mark_dirty(u);
       complete_buckets(u);
@@ -555,7 +571,16 @@ class Engine {
   // 1-bit Adam's compressed phase keeps each rank's own gradient (its momentum is averaged).
   double scale_for_average() const { return local_grads_ ? 1.0 : 1.0 / double(dp_); }
 
+  bool expert_group(const Instruction& in) const {
+    return in.group >= 0 && in.group < int(program_.groups.size()) && program_.groups[in.group].kind == GroupKind::ExpertDP;
+  }
+
   void reduce_gradients(const Instruction& in) {
+    if (expert_group(in)) {
+      if (!experts_) throw std::runtime_error("Program error: an expert gradient reduction without MoE layers");
+      experts_->reduce(in);
+      return;
+    }
     const int k = in.bucket;
     if (stage_ <= 2) {
       if (k < 0 || k >= int(part_.grad_buckets.size()))
@@ -764,6 +789,11 @@ class Engine {
 
   void gather_params(const Instruction& in) {
     if (stage_ == 0) throw std::runtime_error("Program error: parameter all-gather under ZeRO-0");
+    if (expert_group(in)) {
+      if (!experts_) throw std::runtime_error("Program error: an expert all-gather without MoE layers");
+      experts_->gather(in);
+      return;
+    }
     if (stage_ <= 2) {
       const int k = in.bucket;
       if (k < 0 || k >= int(part_.allgather_buckets.size()))
@@ -919,7 +949,10 @@ class Engine {
   // ---- tensor parallelism (backends/torch/tensor_parallel.hpp) --------------------------------
   // The Program's TP collectives on the compute stream are issued inside the Forward / Backward
   // they follow; the engine checks that what was issued is what the Program lists.
-  void check_tp_ledger() { tp_.check("before instruction " + std::to_string(pc_)); }
+  void check_tp_ledger() {
+    tp_.check("before instruction " + std::to_string(pc_));
+    ep_.check("before instruction " + std::to_string(pc_));
+  }
   // Sequence parallelism: the replicated parameters' gradients (LayerNorms, row-parallel biases,
   // wpe) are partial sums over the sequence shards: summed over the TP group, bucket by bucket,
   // before the bucket's data-parallel reduction.
@@ -976,6 +1009,103 @@ class Engine {
     }
     if (end > at) norm_ranges_.push_back({at - base, end - at});
     norm_by_ranges_ = true;
+  }
+
+  // ---- mixture of experts (backends/torch/moe.hpp) -------------------------------------------
+  // The expert-parallel group runs the all-to-alls, the expert-data-parallel group reduces the
+  // experts' gradients; the experts' parameters and states are the ExpertStore's.
+  void setup_moe() {
+    const auto& par = sc_.parallel;
+    const auto refuse = [](const std::string& what) {
+      throw std::invalid_argument("torch backend: MoE with " + what + " is not implemented");
+    };
+    if (stage_ > 2) refuse("zero.stage 3 (the experts' ZeRO-3 partition); use zero.stage 0, 1 or 2");
+    if (offload_) refuse("zero.offload_optimizer; set it to false");
+    if (sc_.optimizer.kind == OptimizerKind::onebit_adam) refuse("1-bit Adam; use optimizer.type: adamw");
+    if (par.ep > 1) ep_comm_ = world_.subgroup(grid_.group_of(GroupKind::EP, rank_));
+    edp_comm_ = world_.subgroup(grid_.group_of(GroupKind::ExpertDP, rank_));  // one rank: the identity
+    ep_.comm = ep_comm_.get();
+    ep_.size = par.ep;
+    ep_.rank = coord_.ep;
+    ep_.wire_dtype = dtype_;
+    ep_.check_bytes = sc_.model.drop_tokens;
+    ep_.sync = [this] { timing_sync(); };
+    std::vector<int> layers;  // this stage's MoE layers, in the Program's order
+    for (int u : layout_.units)
+      if (u >= 1 && u <= cfg_.layers && cfg_.moe_layer(u - 1)) layers.push_back(u - 1);
+    ExpertStore::Options o;
+    o.stage = stage_;
+    o.dp = dp_;
+    o.ep = par.ep;
+    o.ep_rank = coord_.ep;
+    o.edp_rank = coord_.edp;
+    o.reduce_bucket_size = sc_.zero.reduce_bucket_size;
+    o.allgather_bucket_size = sc_.zero.allgather_bucket_size;
+    o.dtype = dtype_;
+    o.device = dev_;
+    o.seed = sc_.training.seed;
+    experts_ = std::make_unique<ExpertStore>(sc_.model, layers, edp_comm_.get(), o);
+  }
+  // Layer l's MoE context for micro-batch mb (nullptr for a dense layer): its gate noise and token
+  // selection are drawn from (seed, step, the micro-batch's place in the global batch, layer), so a
+  // layout that splits the batch differently routes every token the same way.
+  MoeLayer* moe_layer(int l, int mb, MoeLayer& out) {
+    if (!experts_ || !cfg_.moe_layer(l)) return nullptr;
+    out.model = &sc_.model;
+    out.ep = &ep_;
+    out.experts = experts_->leaves(l);
+    const uint64_t global_mb = uint64_t(dpr_) * uint64_t(grad_accum_) + uint64_t(mb);
+    out.seed = mix_seed({sc_.training.seed, uint64_t(step_), global_mb, uint64_t(l)});
+    return &out;
+  }
+  static uint64_t mix_seed(std::initializer_list<uint64_t> parts) {
+    uint64_t h = 0x243F6A8885A308D3ull;
+    for (uint64_t p : parts) {
+      h ^= p + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+      h *= 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 31;
+    }
+    return h;
+  }
+  void count_routing(const MoeLayer& m) {
+    if (!measuring_) return;
+    moe_tokens_ += double(m.tokens);
+    moe_assignments_ += double(m.assignments);
+    moe_dropped_t_ = moe_dropped_t_.defined() ? moe_dropped_t_ + m.dropped : m.dropped.clone();
+    moe_capacity_ = double(m.capacity);
+    moe_aux_ = moe_aux_.defined() ? moe_aux_ + m.l_aux.detach() : m.l_aux.detach().clone();
+    moe_layer_runs_ += 1;
+  }
+  // Rank 0 puts every MoE layer's experts together, layer by layer, expert by expert (the one-rank
+  // layout): each (stage, expert-parallel rank) of data-parallel replica 0 sends its own.
+  at::Tensor assemble_experts() {
+    constexpr int kTag = (1 << 30) + 1;
+    const at::Tensor mine = experts_->full_master().to(at::kCPU);  // every rank: stages 1/2 all-gather
+    if (rank_ != 0) {
+      if (coord_.edp == 0 && coord_.tp == 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
+      return {};
+    }
+    const int local = experts_->local_experts();
+    const int64_t per = expert_numel(sc_.model);
+    std::map<std::pair<int, int>, at::Tensor> pieces;  // (layer, global expert)
+    for (int s = 0; s < sc_.parallel.pp; ++s)
+      for (int j = 0; j < sc_.parallel.ep; ++j) {
+        const int r = grid_.rank_of(j, s, 0);
+        std::vector<int> layers;
+        for (int u : stage_layout(cfg_, program_.ranks.at(r), sc_.parallel.pp).units)
+          if (u >= 1 && u <= cfg_.layers && cfg_.moe_layer(u - 1)) layers.push_back(u - 1);
+        at::Tensor flat = mine;
+        if (r != 0) {
+          flat = at::empty({int64_t(layers.size()) * local * per}, mine.options());
+          world_.recv(flat, r, kTag, Purpose::None)->wait();
+        }
+        for (size_t li = 0; li < layers.size(); ++li)
+          for (int e = 0; e < local; ++e)
+            pieces[{layers[li], j * local + e}] = flat.narrow(0, (int64_t(li) * local + e) * per, per);
+      }
+    std::vector<at::Tensor> out;
+    for (auto& [k, t] : pieces) out.push_back(t);
+    return at::cat(out);
   }
 
   // ---- 1-bit Adam (backends/torch/onebit_adam.hpp) -------------------------------------------
@@ -1035,6 +1165,10 @@ class Engine {
     // Both clear g (grad_acc_ unless copied above) for the next step, the host one in the AdamW pass itself.
     if (offload_) host_step_and_publish(g, hyper);
     else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
+    if (experts_)
+      experts_->step([&](at::Tensor& p, at::Tensor& eg, at::Tensor& m, at::Tensor& v) {
+        adamw_step(p, eg, m, v, adam_step_, hyper, &expert_step_tensor_, nullptr, true);
+      });
     if (fp16_) scaler_.update(false);
     if (!offload_) publish_master();
   }
@@ -1059,6 +1193,7 @@ class Engine {
     const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
                         o_.overflow_steps.end();
     if (inject) acc.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
+    const at::Tensor expert_acc = experts_ ? experts_->step_gradient() : at::Tensor();
     const double inv_scale = 1.0 / scaler_.scale();
     const double clip = sc_.training.gradient_clipping;
     // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else,
@@ -1074,8 +1209,10 @@ class Engine {
         for (const auto& [off, n] : norm_ranges_) sumsq.add_(sum_of_squares(acc.narrow(0, off, n)));
       }
       sumsq = sumsq.mul_(inv_scale * inv_scale).reshape({1});
-      if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) {
+      if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1 || experts_) {
         if (stage_ == 0 && dpr_ != 0) sumsq.zero_();  // its data-parallel replica 0 counts the whole
+        // The experts' gradients, each counted once (moe.cpp): they differ over the EP group.
+        if (experts_) sumsq.add_(experts_->counted_sum_of_squares(expert_acc) * inv_scale * inv_scale);
         world_.allreduce(sumsq, Purpose::None)->wait();
       } else if (stage_ >= 1 && dp_ > 1) {
         dp_comm_->allreduce(sumsq, Purpose::None)->wait();
@@ -1089,6 +1226,7 @@ class Engine {
       step_skipped_ = true;
       scaler_.update(true);  // throws at the minimum scale, with DeepSpeed's message
       acc.zero_();
+      if (experts_) experts_->zero_gradient();
       return at::Tensor();
     }
     if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
@@ -1100,6 +1238,7 @@ class Engine {
     at::Tensor g = acc;
     // With the optimizer offloaded, g, master and moments are host tensors: the step runs on the CPU.
     if (coef != 1.0) g.mul_(coef);
+    if (coef != 1.0 && experts_) expert_acc.mul_(coef);
     return g;
   }
 
@@ -1178,8 +1317,11 @@ class Engine {
   // 1-bit Adam's error buffers (this rank's; DeepSpeed resets them on load, dssim keeps them so
   // that a resumed run continues bit for bit).
   std::vector<at::Tensor> checkpoint_extra() {
-    if (!onebit_) return {};
-    return {onebit_->worker_error(), onebit_->server_error()};
+    std::vector<at::Tensor> extra;
+    if (onebit_) extra = {onebit_->worker_error(), onebit_->server_error()};
+    if (experts_)  // the expert partition's fp32 parameters and moments
+      for (const auto& t : experts_->state()) extra.push_back(t);
+    return extra;
   }
 
   void load_checkpoint() {
@@ -1192,6 +1334,7 @@ class Engine {
     scaler_.restore(c.scaler);
     step_ = step;
     publish_master();
+    if (experts_) experts_->after_load();
     // Every rank's 16-bit copy is whole again (stages 1/2: all-gather the shards, uncounted).
     if (stage_ >= 1 && stage_ <= 2 && dp_ > 1) {
       auto mine = flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).clone();
@@ -1223,6 +1366,10 @@ class Engine {
     }
     full = full.narrow(0, 0, part_.numel).contiguous();
     if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) full = assemble_whole_model(full);
+    if (experts_) {
+      const at::Tensor all_experts = assemble_experts();
+      if (rank_ == 0) full = at::cat({full, all_experts});
+    }
     if (rank_ != 0) return;
     std::ofstream out(o_.dump_params, std::ios::binary | std::ios::trunc);
     out.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
@@ -1276,6 +1423,9 @@ class Engine {
     std::map<std::string, double> all = expected_;
     for (const auto& [k, v] : got) all.emplace(k, 0.0);
     for (const auto& [k, want] : all) {
+      if (!ep_.check_bytes && (k == counter_key(Op::AllToAll, Purpose::MoEDispatch) ||
+                               k == counter_key(Op::AllToAll, Purpose::MoECombine)))
+        continue;  // drop_tokens false: the capacity is the busiest expert's load at run time
       const auto it = got.find(k);
       const double have = it == got.end() ? 0.0 : it->second;
       if (std::abs(have - want) > 0.5)
@@ -1344,10 +1494,15 @@ class Engine {
       const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
       const double cw0 = comm_wait_seconds_;
       tp_.timing = timed;
+      ep_.timing = timed;
       // (Not the sequence-parallel gradient sums, which name their bucket: on the compute stream
       // only because overlap_comm is off.)
-      const bool ledger_only = in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute && in.bucket < 0;
-      if (ledger_only) tp_.expect(in.op, in.bytes, in.repeat);  // issued inside the compute (tensor_parallel.cpp)
+      const bool moe_a2a = in.op == Op::AllToAll && (in.purpose == Purpose::MoEDispatch || in.purpose == Purpose::MoECombine);
+      const bool ledger_only =
+          moe_a2a || (in.purpose == Purpose::TensorParallel && in.stream == Stream::Compute && in.bucket < 0);
+      // Issued inside the compute (tensor_parallel.cpp, moe.cpp).
+      if (moe_a2a) ep_.expect(in.purpose, in.bytes, in.repeat);
+      else if (ledger_only) tp_.expect(in.op, in.bytes, in.repeat);
       // A ZeRO-3 layer's `repeat` fetch all-gathers (DeepSpeed's per-submodule calls) run here as
       // one all-gather of the whole group: the same bytes in fewer calls.
       const bool one_call = in.op == Op::AllGather && in.purpose == Purpose::ParamGather;
@@ -1394,6 +1549,11 @@ class Engine {
         tp_comm_seconds_ += sec;
       }
       tp_.seconds.clear();
+      if (ep_.seconds > 0) {
+        inner_seconds_["moe_all_to_all"] += ep_.seconds;
+        ep_comm_seconds_ += ep_.seconds;
+        ep_.seconds = 0;
+      }
       if (timed) {
         // A collective runs on the communicator's stream: timed to its completion.
         if (is_collective(in.op)) sync();
@@ -1457,7 +1617,7 @@ class Engine {
   TensorParallel tp_;
   bool after_recompute_ = false;
   const bool trace_ = std::getenv("DSSIM_TRACE_PROGRAM") != nullptr;  // one line per instruction (debugging)
-  double tp_comm_seconds_ = 0;  // while measuring
+  double tp_comm_seconds_ = 0, ep_comm_seconds_ = 0;  // while measuring
   std::map<int64_t, at::Tensor> send_grad_;          // by slot_key: input gradients to send
   std::vector<std::pair<int64_t, int64_t>> replicated_ranges_;  // TP-replicated tensors in the flat layout
   // tp / pp > 1: the ranges of the accumulator this rank counts in the global norm.
@@ -1507,6 +1667,12 @@ class Engine {
   std::vector<Deferred> deferred_;
   std::map<std::string, double> seconds_by_op_, expected_;
   std::unique_ptr<OnebitAdam> onebit_;
+  // MoE: the experts, the expert-parallel context, routing statistics over the measured steps.
+  std::unique_ptr<ExpertStore> experts_;
+  std::unique_ptr<Communicator> ep_comm_, edp_comm_;
+  ExpertParallel ep_;
+  at::Tensor expert_step_tensor_, moe_aux_, moe_dropped_t_;
+  double moe_tokens_ = 0, moe_assignments_ = 0, moe_capacity_ = 0, moe_layer_runs_ = 0;
   Program warm_program_, compressed_program_;  // 1-bit Adam: before / from freeze_step
   bool local_grads_ = false;  // 1-bit Adam's compressed phase: gradients stay on their rank
 };
@@ -1593,10 +1759,30 @@ EngineResult Engine::run() {
   res.measured_steps = int(res.step_seconds.size());
   res.seconds_by_op = seconds_by_op_;
   res.tp_comm_seconds = tp_comm_seconds_;
+  res.ep_comm_seconds = ep_comm_seconds_;
   res.comm = world_.counters();
   for (const auto& [k, v] : copy_bytes_) res.comm.bytes[k] += v;
   for (const auto& [k, v] : copy_calls_) res.comm.calls[k] += v;
   res.expected_bytes = expected_;
+  if (experts_ && !res.step_seconds.empty()) {
+    // Over every rank's MoE layers and micro-batches (control traffic).
+    const double dropped = moe_dropped_t_.defined() ? moe_dropped_t_.item<double>() : 0.0;
+    auto t = at::tensor({moe_tokens_, moe_assignments_, dropped, moe_layer_runs_,
+                         moe_aux_.defined() ? moe_aux_.item<double>() : 0.0}, at::TensorOptions().dtype(at::kDouble));
+    auto c = at::tensor({moe_capacity_}, at::TensorOptions().dtype(at::kDouble));
+    t = t.to(dev_);
+    c = c.to(dev_);
+    world_.allreduce(t, Purpose::None)->wait();
+    world_.allreduce_max(c, Purpose::None)->wait();
+    const auto v = t.to(at::kCPU);
+    const double runs = v[3].item<double>();
+    if (runs > 0) {
+      res.moe["aux_loss_mean"] = v[4].item<double>() / runs;
+      res.moe["dropped_fraction"] = v[2].item<double>() / v[1].item<double>();
+      res.moe["tokens_per_layer_run"] = v[0].item<double>() / runs;
+      res.moe["capacity"] = c.item<double>();
+    }
+  }
   if (offload_) {
     const auto st = host_acc_.take_stats();
     res.host_offload["accumulate_seconds"] = st.busy_seconds;
@@ -1611,7 +1797,11 @@ EngineResult Engine::run() {
   double params = 0, grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)) + bucket_peak_,
          optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0) +
                  (onebit_ ? bytes(onebit_->worker_error()) + bytes(onebit_->server_error()) : 0);
-  if (stage_ <= 2) params = bytes(flat16_);
+  if (experts_) {
+    grads += experts_->gradient_bytes();
+    optim += experts_->optimizer_bytes();
+  }
+  if (stage_ <= 2) params = bytes(flat16_) + (experts_ ? experts_->parameter_bytes() : 0.0);
   else {
     params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;
     if (!aliased_)

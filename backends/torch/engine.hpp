@@ -26,12 +26,16 @@ struct EngineResult {
   // compute, reported under their op names) and the waits for pipeline receives (under "recv":
   // the bubble plus the exposed transfer).
   double tp_comm_seconds = 0;
+  double ep_comm_seconds = 0;        // the MoE all-to-alls (inside the compute, under "moe_all_to_all")
   CommCounters comm;                 // over the measured steps
   std::map<std::string, double> expected_bytes;  // Program's size bytes, same keys, same steps
   std::map<std::string, double> memory_bytes;    // peak by category
   // Optimizer offload, over the measured steps: the host gradient sums' busy seconds and bytes
   // (the worker thread), and the seconds the GPU-driving thread waited for room in their queue.
   std::map<std::string, double> host_offload;
+  // MoE, over the measured steps: mean l_aux per layer, share of token-expert assignments dropped
+  // for capacity, tokens gated per layer and micro-batch, expert capacity (slots per source rank).
+  std::map<std::string, double> moe;
   int64_t first_step = 1;            // 1 unless resumed
   // CUDA: the first measured step, instruction by instruction: bytes allocated after it and the
   // allocator's peak while it ran (what the memory model's categories are checked against).

@@ -19,7 +19,17 @@ GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence
   if (c.hidden % c.heads != 0)
     throw std::invalid_argument("model: hidden (" + std::to_string(c.hidden) +
                                 ") must be divisible by heads (" + std::to_string(c.heads) + ")");
-  if (m.is_moe()) throw std::invalid_argument("torch backend: MoE models are not supported");
+  if (m.is_moe()) {
+    if (tp > 1)
+      throw std::invalid_argument("torch backend: MoE with tensor parallelism (parallel.tp = " + std::to_string(tp) +
+                                  ") is not implemented (DeepSpeed's token dropping over the TP group); use parallel.tp: 1 "
+                                  "with parallel.ep for expert parallelism");
+    if (m.top_k != 1 && m.top_k != 2)
+      throw std::invalid_argument("model.top_k = " + std::to_string(m.top_k) +
+                                  ": the torch backend gates top-1 and top-2 (DeepSpeed's TopKGate); set model.top_k: 1 or 2");
+    c.experts = m.experts;
+    c.moe_every = std::max(1, m.moe_every);
+  }
   if (m.has_dropout())
     throw std::invalid_argument("torch backend: model.dropout = " + std::to_string(m.dropout) +
                                 " is not implemented (dssim's GPT trains without dropout); set model.dropout: 0");
@@ -72,6 +82,12 @@ std::vector<ParamSpec> unit_params(const GptConfig& c, int unit) {
   if (unit == c.final_unit())
     return {{"lnf.w", {h}, ParamSpec::Ones}, {"lnf.b", {h}, ParamSpec::Zeros}};
   if (unit == c.head_copy_unit()) return {{"wte", {v, h}, ParamSpec::Normal}};
+  if (c.moe_layer(unit - 1))
+    return {{"ln1.w", {h}, ParamSpec::Ones},        {"ln1.b", {h}, ParamSpec::Zeros},
+            {"qkv.w", {3 * ht, h}, ParamSpec::Normal}, {"qkv.b", {3 * ht}, ParamSpec::Zeros},
+            {"proj.w", {h, ht}, ParamSpec::ScaledNormal}, {"proj.b", {h}, ParamSpec::Zeros},
+            {"ln2.w", {h}, ParamSpec::Ones},        {"ln2.b", {h}, ParamSpec::Zeros},
+            {"gate.w", {c.experts, h}, ParamSpec::Normal}};
   return {{"ln1.w", {h}, ParamSpec::Ones},        {"ln1.b", {h}, ParamSpec::Zeros},
           {"qkv.w", {3 * ht, h}, ParamSpec::Normal}, {"qkv.b", {3 * ht}, ParamSpec::Zeros},
           {"proj.w", {h, ht}, ParamSpec::ScaledNormal}, {"proj.b", {h}, ParamSpec::Zeros},
@@ -228,7 +244,7 @@ struct RecomputedAttention : torch::autograd::Function<RecomputedAttention> {
 }  // namespace
 
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
-                         const at::Tensor& x_in, bool recompute_attention) {
+                         const at::Tensor& x_in, bool recompute_attention, MoeLayer* moe) {
   const at::Tensor x = block[0].scalar_type() == at::kHalf && block[0].device().is_cpu() ? x_in.to(at::kFloat) : x_in;
   auto v = compute_view(block);
   const int64_t h = c.hidden, a = c.heads / c.tp, d = c.hidden / c.heads, hl = a * d;
@@ -243,6 +259,10 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
     auto att = core.transpose(1, 2).reshape({B, S, h});
     auto x1 = x + at::linear(att, v[4], v[5]);
     auto y2 = layer_norm(x1, h, v[6], v[7]);
+    if (moe) {
+      for (auto& e : moe->experts) e = compute_view(e);
+      return x1 + moe_mlp_forward(*moe, v[8], y2);
+    }
     auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
     return x1 + at::linear(m, v[10], v[11]);
   }

@@ -5,6 +5,8 @@
 //   embedding: wte [V, h], wpe [s, h]
 //   block:     ln1 w,b [h]; qkv w [3h, h], b [3h]; proj w [h, h], b [h]; ln2 w,b [h];
 //              fc w [f, h], b [f]; fc2 w [h, f], b [h]         (12h^2 + 13h when f = 4h)
+//   MoE block: ln1, qkv, proj, ln2 as above; gate w [experts, h] (no bias); the experts' MLPs
+//              live outside the units (backends/torch/moe.hpp ExpertStore)
 //   final:     lnf w,b [h]; the LM head is wte (tied)
 //   head copy: wte [V, h] (pp > 1: the last stage's copy, kept equal by the EmbeddingSync)
 // With tensor parallelism (tp = t > 1, Megatron's layout) a rank holds its slice: wte [V/t, h]
@@ -17,6 +19,7 @@
 #include <string>
 #include <vector>
 #include <torch/torch.h>
+#include "backends/torch/moe.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/scenario.hpp"
 
@@ -26,6 +29,7 @@ struct GptConfig {
   int layers = 2, hidden = 64, heads = 4, ffn = 256, vocab = 256, seq_len = 32;
   int tp = 1, tp_rank = 0;         // tensor-parallel size and this rank's index in its group
   bool sequence_parallel = false;  // activations outside the TP regions are sequence shards
+  int experts = 0, moe_every = 1;  // MoE: every moe_every-th layer (core/model.cpp is_moe_layer)
   // Throws std::invalid_argument naming the key when the model cannot be split tp ways.
   static GptConfig from(const ModelSpec& m, int tp = 1, int tp_rank = 0, bool sequence_parallel = false);
   int units() const { return layers + 3; }  // embedding, blocks, final norm, head copy
@@ -35,6 +39,7 @@ struct GptConfig {
   int64_t vocab_local() const { return vocab / tp; }
   int64_t vocab_begin() const { return vocab_local() * tp_rank; }
   int64_t seq_local() const { return sequence_parallel ? seq_len / tp : seq_len; }
+  bool moe_layer(int layer) const { return experts > 0 && layer % moe_every == moe_every - 1; }
   GptConfig whole() const;  // the same model unsplit (tp = 1)
 };
 
@@ -69,8 +74,9 @@ void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed);
 at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& embed,
                          const at::Tensor& tokens);
 // recompute_attention: selective checkpointing, the attention core is recomputed in backward.
+// `moe`: a MoE layer's experts and routing context (its l_aux is left in moe->l_aux).
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
-                         const at::Tensor& x, bool recompute_attention = false);
+                         const at::Tensor& x, bool recompute_attention = false, MoeLayer* moe = nullptr);
 // Final LayerNorm, tied LM head (`wte`: the word embedding or its copy), mean cross-entropy in
 // fp32 (vocabulary-parallel with tp > 1).
 at::Tensor head_loss(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& final_norm,

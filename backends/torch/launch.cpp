@@ -69,6 +69,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   // consumed (dp_comm_wait). Tensor-parallel collectives run inside the compute, blocking it (as
   // Megatron's do); the rest of the collectives' time is data-parallel (and the embedding sync).
   r.time.exposed_tp = res.tp_comm_seconds / n * to_median;
+  r.time.exposed_ep = res.ep_comm_seconds / n * to_median;  // MoE all-to-alls, blocking the compute
   r.time.exposed_dp = std::max(0.0, sec("all_reduce") + sec("reduce_scatter") + sec("all_gather") +
                                         sec("dp_comm_wait") - r.time.exposed_tp);
   // Pipeline: issuing the sends, and the compute's waits for a receive, which are the bubble
@@ -106,6 +107,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
     if (res.skipped[i]) skipped.push_back(int(res.first_step + i));
   measured["skipped_steps"] = skipped;
   measured["memory_bytes"] = res.memory_bytes;
+  if (!res.moe.empty()) measured["moe"] = res.moe;
   if (!res.host_offload.empty()) {
     nlohmann::json h = nlohmann::json::object();
     for (const auto& [k, v] : res.host_offload) h[k] = v / n;

@@ -1,3 +1,4 @@
+#include <cmath>
 #include <catch2/catch.hpp>
 
 #include <array>
@@ -431,6 +432,26 @@ TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload 
     }
     CHECK(a2a == 2 * 4 * 4);  // 2 MoE layers x 4 micro-batches x (dispatch + combine) x fwd/bwd
     CHECK(expert_dp);
+    // Bytes per all-to-all: DeepSpeed's dispatch buffer [experts, capacity, h] of the rank's b s
+    // tokens, capacity max(ceil(k T / E x capacity_factor), min_capacity)
+    const auto a2a_bytes = [&](const Scenario& s) {
+      const Program prog = build_program(s);
+      for (const Instruction& in : prog.ranks[0].instructions)
+        if (in.op == Op::AllToAll) return in.bytes;
+      return 0.0;
+    };
+    // (split over the TP group of 2: DeepSpeed drops the TP-duplicate tokens)
+    const double T = double(sc.training.micro_batch) * sc.model.seq_len, h = sc.model.hidden, g = 2.0 / 2;  // bf16 / tp
+    REQUIRE(sc.model.expert_capacity(int64_t(T)) == int64_t(std::ceil(T / 4 * sc.model.capacity_factor)));
+    CHECK(a2a_bytes(sc) == 4 * std::ceil(T / 4 * sc.model.capacity_factor) * h * g);
+    Scenario c = sc;
+    c.model.capacity_factor = 1.3;
+    c.model.top_k = 2;
+    CHECK(a2a_bytes(c) == 4 * std::ceil(T / 4 * 1.3 * 2) * h * g);
+    c.model.min_capacity = int(T);  // the floor wins
+    CHECK(a2a_bytes(c) == 4 * T * h * g);
+    c.model.drop_tokens = false;  // run-time capacity: priced as k x capacity_factor slots per token
+    CHECK(a2a_bytes(c) == Approx(T * 2 * 1.3 * h * g));
   }
   SECTION("1-bit Adam after freeze_step replaces the all-reduce") {
     Scenario sc = tiny(1, 1, 4, 0);
