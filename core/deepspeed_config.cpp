@@ -813,4 +813,50 @@ DeepSpeedLayer load_deepspeed_config(const std::string& path) {
   return map_deepspeed_config(parse_deepspeed_json(text, path), path);
 }
 
+nlohmann::json to_deepspeed_config(const Scenario& sc) {
+  using nlohmann::json;
+  json j;
+  j["train_batch_size"] = sc.training.global_batch;
+  j["train_micro_batch_size_per_gpu"] = sc.training.micro_batch;
+  j["gradient_accumulation_steps"] = sc.training.grad_accum;
+  if (sc.training.gradient_clipping > 0) j["gradient_clipping"] = sc.training.gradient_clipping;
+  const Dtype d = sc.precision.dtype;
+  j["bf16"] = {{"enabled", d == Dtype::bf16}};
+  if (d == Dtype::fp16) {
+    const auto& ls = sc.precision.loss_scale;
+    j["fp16"] = {{"enabled", true}, {"loss_scale", ls.loss_scale}, {"initial_scale_power", ls.initial_scale_power},
+                 {"loss_scale_window", ls.loss_scale_window}, {"hysteresis", ls.hysteresis},
+                 {"min_loss_scale", ls.min_loss_scale}};
+  } else {
+    j["fp16"] = {{"enabled", false}};
+  }
+  if (sc.precision.communication_dtype) j["communication_data_type"] = to_string(*sc.precision.communication_dtype);
+  const ZeroSpec& z = sc.zero;
+  json zo = {{"stage", z.stage}, {"overlap_comm", z.overlap_comm}, {"reduce_bucket_size", z.reduce_bucket_size},
+             {"allgather_bucket_size", z.allgather_bucket_size}};
+  if (z.stage == 3) {
+    zo["stage3_prefetch_bucket_size"] = z.prefetch_bucket_size;
+    zo["stage3_param_persistence_threshold"] = z.param_persistence_threshold;
+    zo["stage3_max_live_parameters"] = z.max_live_parameters;
+    if (z.quantized_weights) zo["zero_quantized_weights"] = true;
+    if (z.quantized_gradients) zo["zero_quantized_gradients"] = true;
+    if (z.hpz_partition_size > 1) zo["zero_hpz_partition_size"] = z.hpz_partition_size;
+  }
+  if (z.offload_optimizer) zo["offload_optimizer"] = {{"device", "cpu"}};
+  if (z.offload_param) zo["offload_param"] = {{"device", "cpu"}};
+  j["zero_optimization"] = zo;
+  const OptimizerSpec& o = sc.optimizer;
+  const char* type = o.kind == OptimizerKind::onebit_adam ? "OneBitAdam"
+                     : o.kind == OptimizerKind::lamb      ? "Lamb"
+                     : o.kind == OptimizerKind::lion      ? "Lion"
+                                                          : "AdamW";
+  json params = {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps}, {"weight_decay", o.weight_decay}};
+  if (o.kind == OptimizerKind::onebit_adam) params["freeze_step"] = o.freeze_step;
+  j["optimizer"] = {{"type", type}, {"params", params}};
+  if (sc.model.is_moe())
+    j["moe"] = {{"enabled", true}, {"num_experts", sc.model.experts}, {"expert_parallel_size", sc.parallel.ep},
+                {"top_k", sc.model.top_k}, {"capacity_factor", sc.model.capacity_factor}};
+  return j;
+}
+
 }  // namespace dssim

@@ -46,4 +46,12 @@ DeepSpeedLayer map_deepspeed_config(const nlohmann::json& config, const std::str
 nlohmann::json parse_deepspeed_json(const std::string& text, const std::string& origin);
 DeepSpeedLayer load_deepspeed_config(const std::string& path);
 
+// The inverse: the ds_config.json a DeepSpeed user launches a Scenario with (batch triple,
+// zero_optimization with its offload blocks and buckets, fp16 / bf16, communication_data_type,
+// gradient_clipping, optimizer, and dssim's moe block for MoE models). What a ds_config cannot say
+// (tp, pp, interleave, sequence parallelism, recompute) stays with the scenario / launcher.
+// Loading the scenario with it (--deepspeed_config) gives back the same training setup.
+struct Scenario;
+nlohmann::json to_deepspeed_config(const Scenario& sc);
+
 }  // namespace dssim

@@ -329,11 +329,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
 
 namespace dssim {
 
-Report make_report(const Scenario& sc, const Program& program, const Timeline& timeline,
-                   const std::string& backend) {
-  Report r;
-  r.backend = backend;
-  r.iteration_seconds = timeline.makespan;
+int critical_rank_index(const Timeline& timeline) {
   int critical = 0;
   double latest = -1;
   for (size_t ri = 0; ri < timeline.spans.size(); ++ri) {
@@ -341,6 +337,15 @@ Report make_report(const Scenario& sc, const Program& program, const Timeline& t
     for (const Span& s : timeline.spans[ri]) end = std::max(end, s.end);
     if (end > latest * (1 + 1e-12)) { latest = end; critical = static_cast<int>(ri); }
   }
+  return critical;
+}
+
+Report make_report(const Scenario& sc, const Program& program, const Timeline& timeline,
+                   const std::string& backend) {
+  Report r;
+  r.backend = backend;
+  r.iteration_seconds = timeline.makespan;
+  const int critical = critical_rank_index(timeline);
   if (!program.ranks.empty()) {
     r.critical_rank = program.ranks[critical].rank;
     r.time = attribute_time(program, timeline, critical);

@@ -55,6 +55,10 @@ struct Report {
 Report make_report(const Scenario& sc, const Program& program, const Timeline& timeline,
                    const std::string& backend);
 
+// The materialized rank whose last instruction ends last (the first on ties): the one the report's
+// breakdown describes.
+int critical_rank_index(const Timeline& timeline);
+
 // Fills throughput, FLOP/s, MFU/HFU, time-to-train from iteration_seconds and the scenario.
 void fill_throughput(const Scenario& sc, Report& r);
 // Wire bytes per rank by purpose for the materialized rank `rank_index`.

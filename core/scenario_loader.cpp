@@ -747,18 +747,7 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
   bool dp_from_gpus = false;
   if (opts.gpus != 0) {
     const int n = opts.gpus;
-    if (n < 1) throw ConfigError("--gpus must be positive, got " + std::to_string(n));
-    if (n < cl.gpus_per_node || (cl.nodes == 1 && cl.nics_per_node == 0)) {
-      // fewer GPUs than a node holds, or a single host with no network: one node of n GPUs
-      cl.nodes = 1;
-      cl.gpus_per_node = n;
-    } else if (n % cl.gpus_per_node != 0) {
-      throw ConfigError("--gpus " + std::to_string(n) + " is not a multiple of cluster.gpus_per_node (" +
-                        std::to_string(cl.gpus_per_node) + "): use a multiple of " + std::to_string(cl.gpus_per_node) +
-                        " or fewer than " + std::to_string(cl.gpus_per_node));
-    } else {
-      cl.nodes = n / cl.gpus_per_node;
-    }
+    resize_cluster(cl, n);
     if (n % (par.tp * par.pp) != 0)
       throw ConfigError("--gpus " + std::to_string(n) + " is not a multiple of parallel.tp * parallel.pp = " +
                         std::to_string(par.tp) + " * " + std::to_string(par.pp) + " = " + std::to_string(par.tp * par.pp) +
@@ -817,6 +806,21 @@ Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& o
 }
 
 // ---------------------------------------------------------------------------------------------
+
+void resize_cluster(ClusterSpec& cl, int n) {
+  if (n < 1) throw ConfigError("--gpus must be positive, got " + std::to_string(n));
+  if (n < cl.gpus_per_node || (cl.nodes == 1 && cl.nics_per_node == 0)) {
+    // fewer GPUs than a node holds, or a single host with no network: one node of n GPUs
+    cl.nodes = 1;
+    cl.gpus_per_node = n;
+  } else if (n % cl.gpus_per_node != 0) {
+    throw ConfigError("--gpus " + std::to_string(n) + " is not a multiple of cluster.gpus_per_node (" +
+                      std::to_string(cl.gpus_per_node) + "): use a multiple of " + std::to_string(cl.gpus_per_node) +
+                      " or fewer than " + std::to_string(cl.gpus_per_node));
+  } else {
+    cl.nodes = n / cl.gpus_per_node;
+  }
+}
 
 std::string to_yaml(const Scenario& s) {
   YAML::Emitter y;

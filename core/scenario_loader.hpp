@@ -31,6 +31,11 @@ Scenario load_scenario(const std::string& path, const LoadOptions& = {});
 Scenario load_scenario_from_string(const std::string& yaml, const LoadOptions& = {},
                                    const std::string& source = "<string>");
 
+// --gpus N applied to a cluster: N < gpus_per_node, or any N on a single host without NICs, gives
+// one node of N GPUs; otherwise N must be a multiple of gpus_per_node (nodes = N / gpus_per_node).
+// Throws ConfigError naming --gpus. (Data parallelism is the caller's: dp = N / (tp * pp).)
+void resize_cluster(ClusterSpec& cluster, int gpus);
+
 // Directory holding scenarios/: $DSSIM_HOME if set, else the source tree (DSSIM_SOURCE_ROOT).
 std::string data_root();
 

@@ -1,0 +1,638 @@
+#include "core/plan.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <tuple>
+
+#include "core/estimator.hpp"
+#include "core/pipeline_partition.hpp"
+#include "core/program_builder.hpp"
+#include "core/report.hpp"
+#include "core/scenario_loader.hpp"
+#include "core/validate.hpp"
+
+namespace dssim {
+
+const char* to_string(PlanDim d) {
+  switch (d) {
+    case PlanDim::tp: return "tp";
+    case PlanDim::pp: return "pp";
+    case PlanDim::micro_batch: return "micro_batch";
+    case PlanDim::zero: return "zero";
+    case PlanDim::recompute: return "recompute";
+    case PlanDim::interleave: return "interleave";
+    case PlanDim::sequence_parallel: return "sequence_parallel";
+    case PlanDim::offload: return "offload";
+    case PlanDim::ep: return "ep";
+  }
+  return "?";
+}
+
+std::optional<PlanDim> parse_plan_dim(const std::string& s) {
+  for (int i = 0; i < kPlanDims; ++i)
+    if (s == to_string(static_cast<PlanDim>(i))) return static_cast<PlanDim>(i);
+  if (s == "mb") return PlanDim::micro_batch;
+  if (s == "sp") return PlanDim::sequence_parallel;
+  return std::nullopt;
+}
+
+const char* to_string(Offload o) {
+  return o == Offload::none ? "none" : o == Offload::optimizer ? "optimizer" : "optimizer+params";
+}
+
+const char* to_string(PlanObjective o) {
+  return o == PlanObjective::throughput ? "throughput" : o == PlanObjective::cost ? "cost" : "time-to-train";
+}
+
+std::optional<PlanObjective> parse_plan_objective(const std::string& s) {
+  if (s == "throughput") return PlanObjective::throughput;
+  if (s == "cost") return PlanObjective::cost;
+  if (s == "time-to-train" || s == "time_to_train") return PlanObjective::time_to_train;
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Points
+
+int PlanPoint::value(PlanDim d) const {
+  switch (d) {
+    case PlanDim::tp: return tp;
+    case PlanDim::pp: return pp;
+    case PlanDim::micro_batch: return micro_batch;
+    case PlanDim::zero: return zero;
+    case PlanDim::recompute: return static_cast<int>(recompute);
+    case PlanDim::interleave: return interleave;
+    case PlanDim::sequence_parallel: return sequence_parallel ? 1 : 0;
+    case PlanDim::offload: return static_cast<int>(offload);
+    case PlanDim::ep: return ep;
+  }
+  return 0;
+}
+
+std::string PlanPoint::key() const {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "tp%d.pp%d.dp%d.mb%d.z%d.rc%d.v%d.sp%d.off%d.ep%d", tp, pp, dp, micro_batch, zero,
+                static_cast<int>(recompute), interleave, sequence_parallel ? 1 : 0, static_cast<int>(offload), ep);
+  return buf;
+}
+
+std::string PlanPoint::label() const {
+  std::ostringstream o;
+  o << "TP " << tp << " · PP " << pp << " · DP " << dp;
+  if (ep > 1) o << " · EP " << ep;
+  if (interleave > 1) o << " · v" << interleave;
+  if (sequence_parallel) o << " · SP";
+  o << " | mb " << micro_batch << " | ZeRO-" << zero;
+  if (offload == Offload::optimizer) o << " +opt offload";
+  if (offload == Offload::optimizer_and_params) o << " +opt/param offload";
+  o << " | " << (recompute == Recompute::none ? "no recompute" : recompute == Recompute::selective ? "selective" : "full recompute");
+  return o.str();
+}
+
+std::string PlanPoint::family() const {
+  std::string f;
+  auto add = [&](const char* s) { f += (f.empty() ? "" : "·") + std::string(s); };
+  if (tp > 1) add("TP");
+  if (pp > 1) add("PP");
+  if (dp > 1) add("DP");
+  if (ep > 1) add("EP");
+  if (f.empty()) f = "single GPU";
+  if (zero == 3) f += " ZeRO-3";
+  if (offload != Offload::none) f += " offload";
+  return f;
+}
+
+PlanPoint point_of(const Scenario& sc) {
+  PlanPoint p;
+  p.tp = sc.parallel.tp;
+  p.pp = sc.parallel.pp;
+  p.dp = sc.parallel.dp;
+  p.ep = sc.parallel.ep;
+  p.micro_batch = sc.training.micro_batch;
+  p.zero = sc.zero.stage;
+  p.interleave = sc.parallel.interleave;
+  p.sequence_parallel = sc.parallel.sequence_parallel;
+  p.recompute = sc.recompute;
+  p.offload = sc.zero.offload_param ? Offload::optimizer_and_params
+              : sc.zero.offload_optimizer ? Offload::optimizer : Offload::none;
+  return p;
+}
+
+namespace {
+
+// Layers per stage for (pp, interleave, ep), resolved once per search: the balanced partitions are
+// a dynamic programme over the layer list.
+struct PartitionCache {
+  std::map<std::tuple<int, int, int>, std::pair<std::vector<int>, std::string>> done;
+  std::map<std::tuple<int, int, int>, std::string> failed;
+};
+
+Scenario apply_point_cached(const Scenario& base, const PlanPoint& p, PartitionCache* cache) {
+  Scenario s = base;
+  s.warnings.clear();
+  auto& par = s.parallel;
+  par.tp = p.tp;
+  par.pp = p.pp;
+  par.dp = p.dp;
+  par.ep = p.ep;
+  par.interleave = p.interleave;
+  par.sequence_parallel = p.sequence_parallel;
+  s.training.micro_batch = p.micro_batch;
+  const int64_t per_step = int64_t(p.micro_batch) * p.dp;
+  s.training.grad_accum = per_step > 0 ? static_cast<int>(s.training.global_batch / per_step) : 0;
+  s.zero.stage = p.zero;
+  s.zero.offload_optimizer = p.offload != Offload::none;
+  s.zero.offload_param = p.offload == Offload::optimizer_and_params;
+  s.recompute = p.recompute;
+  if (p.pp == base.parallel.pp && p.interleave == base.parallel.interleave && p.ep == base.parallel.ep) return s;
+  const auto key = std::make_tuple(p.pp, p.interleave, p.ep);
+  if (cache) {
+    if (auto it = cache->done.find(key); it != cache->done.end()) {
+      par.partition = it->second.first;
+      par.partition_method = it->second.second;
+      return s;
+    }
+    if (auto it = cache->failed.find(key); it != cache->failed.end()) throw ConfigError(it->second);
+  }
+  par.partition.clear();
+  // DeepSpeed's pipeline engine partitions by parameters (PipelineModule's default); otherwise
+  // dssim's default method (uniform when pp divides the layers, megatron when interleaving).
+  par.partition_method = base.parallel.pipeline_engine == PipelineEngine::deepspeed && p.interleave == 1 && p.pp > 1
+                             ? "parameters" : "";
+  try {
+    resolve_pipeline_partition(s);
+  } catch (const ConfigError& e) {
+    if (cache) cache->failed[key] = e.what();
+    throw;
+  }
+  if (cache) cache->done[key] = {par.partition, par.partition_method};
+  return s;
+}
+
+std::vector<int> divisors(int64_t n, int64_t cap) {
+  std::vector<int> d;
+  for (int64_t i = 1; i <= n && i <= cap; ++i)
+    if (n % i == 0) d.push_back(static_cast<int>(i));
+  return d;
+}
+
+void add_unique(std::vector<int>& v, int x) {
+  if (std::find(v.begin(), v.end(), x) == v.end()) v.push_back(x);
+  std::sort(v.begin(), v.end());
+}
+
+bool fits(const Scenario& s, const MemoryBreakdown& m) {
+  return m.total() <= s.cluster.gpu.memory_bytes &&
+         m.host * s.cluster.gpus_per_node <= s.cluster.host_memory_bytes;
+}
+
+// The constraints of a search: which values each dimension takes.
+struct Space {
+  const Scenario& base;  // resized to the plan's GPU count
+  int gpus = 0;
+  std::array<bool, kPlanDims> vary{};
+  std::vector<PlanFix> fixes;
+  int max_tp = 0;
+
+  std::optional<int> fixed(const char* key) const {
+    for (const auto& f : fixes)
+      if (f.key == key) return f.value;
+    return std::nullopt;
+  }
+  bool varies(PlanDim d) const { return vary[static_cast<int>(d)]; }
+  // The values of a dimension: its candidates when varied, else the base's; a fix wins.
+  std::vector<int> values(PlanDim d, std::vector<int> candidates, int base_value, const char* fix_key) const {
+    if (auto f = fixed(fix_key)) return {*f};
+    if (!varies(d)) return {base_value};
+    return candidates;
+  }
+  bool admits(const PlanPoint& p) const {
+    if (auto f = fixed("parallel.dp"); f && p.dp != *f) return false;
+    if (auto f = fixed("zero.offload_optimizer"); f && (p.offload != Offload::none) != (*f != 0)) return false;
+    if (auto f = fixed("zero.offload_param"); f && (p.offload == Offload::optimizer_and_params) != (*f != 0)) return false;
+    return true;
+  }
+};
+
+// Every point of the space, validated; `visit(point, scenario, memory)` for each valid one.
+template <class Visit>
+void enumerate(const Space& sp, PlanResult& res, PartitionCache& cache, Visit&& visit) {
+  const Scenario& b = sp.base;
+  const int n = sp.gpus;
+  const int64_t batch = b.training.global_batch;
+  const int layers = b.model.layers;
+  std::vector<int> tps = sp.values(PlanDim::tp, divisors(n, sp.max_tp), b.parallel.tp, "parallel.tp");
+  if (sp.varies(PlanDim::tp) && !sp.fixed("parallel.tp") && n % b.parallel.tp == 0) add_unique(tps, b.parallel.tp);
+  std::vector<int> zeros = sp.values(PlanDim::zero, {0, 1, 2, 3}, b.zero.stage, "zero.stage");
+  std::vector<int> recomputes = sp.values(PlanDim::recompute, {0, 1, 2}, static_cast<int>(b.recompute), "activation_checkpointing");
+  std::vector<int> sps = sp.values(PlanDim::sequence_parallel, {0, 1}, b.parallel.sequence_parallel, "parallel.sequence_parallel");
+  const PlanPoint bp = point_of(b);
+  // The two offload keys constrain one dimension: with either fixed, all three values are generated
+  // and Space::admits keeps those that agree.
+  const bool offload_fixed = sp.fixed("zero.offload_optimizer") || sp.fixed("zero.offload_param");
+  std::vector<int> offloads = offload_fixed ? std::vector<int>{0, 1, 2}
+                                            : sp.values(PlanDim::offload, {0, 1, 2}, static_cast<int>(bp.offload), "zero.offload");
+  std::vector<int> eps = sp.values(PlanDim::ep, b.model.is_moe() ? divisors(b.model.experts, b.model.experts) : std::vector<int>{1},
+                                   b.parallel.ep, "parallel.ep");
+  for (int tp : tps) {
+    if (tp < 1 || n % tp != 0) continue;
+    std::vector<int> pps = sp.values(PlanDim::pp, divisors(n / tp, layers), b.parallel.pp, "parallel.pp");
+    for (int pp : pps) {
+      if (pp < 1 || (n / tp) % pp != 0) continue;
+      const int dp = n / (tp * pp);
+      std::vector<int> mbs = sp.values(PlanDim::micro_batch, batch % dp == 0 ? divisors(batch / dp, batch) : std::vector<int>{1},
+                                       b.training.micro_batch, "training.micro_batch");
+      std::vector<int> vs{1};
+      if (pp > 1)
+        for (int v = 2; v * pp <= layers; ++v)
+          if (layers % v == 0) vs.push_back(v);
+      vs = sp.values(PlanDim::interleave, vs, b.parallel.interleave, "parallel.interleave");
+      if (sp.varies(PlanDim::interleave) && !sp.fixed("parallel.interleave") && pp == b.parallel.pp)
+        add_unique(vs, b.parallel.interleave);
+      for (int ep : eps)
+        for (int mb : mbs)
+          for (int z : zeros)
+            for (int rc : recomputes)
+              for (int v : vs)
+                for (int s : sps)
+                  for (int off : offloads) {
+                    PlanPoint p;
+                    p.tp = tp; p.pp = pp; p.dp = dp; p.ep = ep; p.micro_batch = mb; p.zero = z;
+                    p.recompute = static_cast<Recompute>(rc);
+                    p.interleave = v;
+                    p.sequence_parallel = s != 0;
+                    p.offload = static_cast<Offload>(off);
+                    if (!sp.admits(p)) continue;
+                    ++res.enumerated;
+                    Scenario sc;
+                    try {
+                      sc = apply_point_cached(b, p, &cache);
+                      validate(sc);
+                    } catch (const ConfigError& e) {
+                      ++res.invalid;
+                      if (res.first_invalid.empty()) res.first_invalid = e.what();
+                      continue;
+                    }
+                    const MemoryBreakdown m = peak_memory(sc);
+                    if (!res.smallest_point || m.total() < res.smallest_memory.total()) {
+                      res.smallest_point = p;
+                      res.smallest_memory = m;
+                    }
+                    if (!fits(sc, m)) {
+                      ++res.too_big;
+                      continue;
+                    }
+                    visit(p, std::move(sc), m);
+                  }
+    }
+  }
+}
+
+Space make_space(const Scenario& resized, const PlanOptions& o) {
+  Space sp{resized, 0, {}, {}, 0};
+  sp.gpus = resized.cluster.world();
+  if (o.vary.empty()) sp.vary.fill(true);
+  for (PlanDim d : o.vary) sp.vary[static_cast<int>(d)] = true;
+  sp.fixes = o.fixes;
+  sp.max_tp = o.max_tp > 0 ? o.max_tp : resized.cluster.gpus_per_node;
+  return sp;
+}
+
+Scenario resized(const Scenario& base, int gpus) {
+  Scenario s = base;
+  if (gpus > 0 && gpus != base.cluster.world()) resize_cluster(s.cluster, gpus);
+  return s;
+}
+
+double objective_of(PlanObjective o, double tokens_per_second, int gpus) {
+  if (!(tokens_per_second > 0)) return INFINITY;
+  return o == PlanObjective::cost ? gpus / tokens_per_second : 1.0 / tokens_per_second;
+}
+
+// The analytic estimate at `grad_accum` micro-batches (global batch scaled to match).
+PlanScore evaluate_at(const Scenario& sc, int grad_accum) {
+  Scenario s = sc;
+  s.training.grad_accum = grad_accum;
+  s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
+  BuildOptions bo;
+  bo.representative_only = true;
+  const Program program = build_program(s, bo);
+  const Timeline tl = estimate(s, program);
+  PlanScore r;
+  r.iteration_seconds = tl.makespan;
+  if (!program.ranks.empty()) r.time = attribute_time(program, tl, critical_rank_index(tl));
+  return r;
+}
+
+}  // namespace
+
+Scenario apply_point(const Scenario& base, const PlanPoint& p) { return apply_point_cached(base, p, nullptr); }
+
+// ---------------------------------------------------------------------------------------------
+// Fixes
+
+namespace {
+
+struct FixKey {
+  const char* key;
+  enum Kind { integer, boolean, recompute } kind;
+};
+constexpr FixKey kFixKeys[] = {
+    {"parallel.tp", FixKey::integer},          {"parallel.pp", FixKey::integer},
+    {"parallel.dp", FixKey::integer},          {"parallel.ep", FixKey::integer},
+    {"parallel.interleave", FixKey::integer},  {"training.micro_batch", FixKey::integer},
+    {"zero.stage", FixKey::integer},           {"parallel.sequence_parallel", FixKey::boolean},
+    {"zero.offload_optimizer", FixKey::boolean}, {"zero.offload_param", FixKey::boolean},
+    {"activation_checkpointing", FixKey::recompute},
+};
+
+}  // namespace
+
+bool is_plan_key(const std::string& key) {
+  for (const auto& k : kFixKeys)
+    if (key == k.key) return true;
+  return false;
+}
+
+PlanFix parse_plan_fix(const std::string& key, const std::string& value) {
+  for (const auto& k : kFixKeys) {
+    if (key != k.key) continue;
+    const std::string at = "--fix " + key + "=" + value + ": ";
+    switch (k.kind) {
+      case FixKey::integer: {
+        size_t used = 0;
+        int v = 0;
+        try {
+          v = std::stoi(value, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != value.size() || value.empty()) throw ConfigError(at + "expected an integer (e.g. --fix " + key + "=8)");
+        if (v < (key == "zero.stage" ? 0 : 1) || (key == "zero.stage" && v > 3))
+          throw ConfigError(at + (key == "zero.stage" ? "expected 0, 1, 2 or 3" : "must be at least 1"));
+        return {key, v};
+      }
+      case FixKey::boolean:
+        if (value == "true" || value == "1" || value == "yes") return {key, 1};
+        if (value == "false" || value == "0" || value == "no") return {key, 0};
+        throw ConfigError(at + "expected true or false");
+      case FixKey::recompute:
+        if (value == "none" || value == "false") return {key, static_cast<int>(Recompute::none)};
+        if (value == "selective") return {key, static_cast<int>(Recompute::selective)};
+        if (value == "full" || value == "true") return {key, static_cast<int>(Recompute::full)};
+        throw ConfigError(at + "expected none, selective or full");
+    }
+  }
+  throw ConfigError("--fix " + key + ": not a key the planner searches");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scoring
+
+std::pair<int, int> extrapolation_points(const Scenario& sc) {
+  // Past its first micro-batches a pipeline is in its steady state: each further micro-batch adds
+  // the same time to every part of the breakdown (measured: 1F1B from 2 micro-batches on, whatever
+  // pp; Megatron's interleaved schedule, whose count stays a multiple of pp, from 2 pp on). Two
+  // points past it fix the line; the whole iteration is evaluated when that would not be shorter.
+  const int pp = sc.parallel.pp;
+  const bool interleaved = sc.parallel.interleave > 1;
+  const int m1 = interleaved ? 2 * pp : 2;
+  const int m2 = interleaved ? 3 * pp : 3;
+  if (sc.training.grad_accum <= m2) return {0, 0};
+  return {m1, m2};
+}
+
+PlanScore score_scenario(const Scenario& sc, bool exact) {
+  const auto [m1, m2] = exact ? std::pair<int, int>{0, 0} : extrapolation_points(sc);
+  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum);
+  const PlanScore a = evaluate_at(sc, m1), b = evaluate_at(sc, m2);
+  const double k = double(sc.training.grad_accum - m1) / double(m2 - m1);
+  auto line = [&](double x, double y) { return x + k * (y - x); };
+  PlanScore r;
+  r.extrapolated = true;
+  r.iteration_seconds = line(a.iteration_seconds, b.iteration_seconds);
+  const TimeBreakdown &ta = a.time, &tb = b.time;
+  TimeBreakdown& t = r.time;
+  t.forward = line(ta.forward, tb.forward);
+  t.backward = line(ta.backward, tb.backward);
+  t.recompute = line(ta.recompute, tb.recompute);
+  t.optimizer = line(ta.optimizer, tb.optimizer);
+  t.exposed_tp = line(ta.exposed_tp, tb.exposed_tp);
+  t.exposed_pp = line(ta.exposed_pp, tb.exposed_pp);
+  t.exposed_dp = line(ta.exposed_dp, tb.exposed_dp);
+  t.exposed_ep = line(ta.exposed_ep, tb.exposed_ep);
+  t.exposed_offload = line(ta.exposed_offload, tb.exposed_offload);
+  t.bubble = line(ta.bubble, tb.bubble);
+  t.idle = line(ta.idle, tb.idle);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entries
+
+namespace {
+
+std::vector<std::pair<std::string, double>> parts(const TimeBreakdown& t) {
+  return {{"compute", t.forward + t.backward + t.recompute + t.optimizer},
+          {"TP", t.exposed_tp}, {"PP", t.exposed_pp}, {"DP", t.exposed_dp}, {"EP", t.exposed_ep},
+          {"offload", t.exposed_offload}, {"bubble", t.bubble + t.idle}};
+}
+
+}  // namespace
+
+std::pair<std::string, double> PlanEntry::dominant() const {
+  std::pair<std::string, double> best{"compute", -1};
+  for (auto& p : parts(time))
+    if (p.second > best.second) best = p;
+  return best;
+}
+
+std::pair<std::string, double> PlanEntry::largest_overhead() const {
+  std::pair<std::string, double> best{"none", 0};
+  for (auto& p : parts(time))
+    if (p.first != "compute" && p.second > best.second) best = p;
+  return best;
+}
+
+PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Scenario base = resized(base_in, o.gpus);
+  const Space sp = make_space(base, o);
+  PlanResult res;
+  res.gpus = sp.gpus;
+  res.global_batch = base.training.global_batch;
+  PartitionCache cache;
+  struct Candidate { PlanPoint point; Scenario scenario; MemoryBreakdown memory; };
+  std::vector<Candidate> fitting;
+  enumerate(sp, res, cache, [&](const PlanPoint& p, Scenario&& s, const MemoryBreakdown& m) {
+    fitting.push_back({p, std::move(s), m});
+  });
+
+  const auto t1 = std::chrono::steady_clock::now();
+  res.enumerate_seconds = std::chrono::duration<double>(t1 - t0).count();
+  const size_t total = fitting.size();
+  const size_t step = std::max<size_t>(1, total / 50);
+  res.ranked.reserve(total);
+  for (size_t i = 0; i < total; ++i) {
+    const Candidate& c = fitting[i];
+    const PlanScore score = score_scenario(c.scenario, o.exact);
+    Report r;
+    r.iteration_seconds = score.iteration_seconds;
+    fill_throughput(c.scenario, r);
+    PlanEntry e;
+    e.point = c.point;
+    e.iteration_seconds = score.iteration_seconds;
+    e.time = score.time;
+    e.memory = c.memory;
+    e.capacity = c.scenario.cluster.gpu.memory_bytes;
+    e.tokens_per_second = r.tokens_per_second;
+    e.mfu = r.mfu;
+    e.time_to_train_seconds = c.scenario.training.tokens_to_train > 0 ? r.time_to_train_seconds
+                                                                      : (r.tokens_per_second > 0 ? 1e9 / r.tokens_per_second : 0);
+    e.gpu_hours = sp.gpus * e.time_to_train_seconds / 3600;
+    e.objective = objective_of(o.objective, r.tokens_per_second, sp.gpus);
+    res.ranked.push_back(std::move(e));
+    if (o.progress && ((i + 1) % step == 0 || i + 1 == total)) o.progress(i + 1, total);
+  }
+  // Sort keys once: objective, then the stable key.
+  std::vector<std::pair<std::string, size_t>> keys;
+  keys.reserve(res.ranked.size());
+  for (size_t i = 0; i < res.ranked.size(); ++i) keys.emplace_back(res.ranked[i].point.key(), i);
+  std::vector<size_t> order(res.ranked.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const double oa = res.ranked[a].objective, ob = res.ranked[b].objective;
+    if (oa != ob) return oa < ob;
+    return keys[a].first < keys[b].first;
+  });
+  std::vector<PlanEntry> sorted;
+  sorted.reserve(order.size());
+  for (size_t i : order) sorted.push_back(std::move(res.ranked[i]));
+  res.ranked = std::move(sorted);
+
+  if (base_in.cluster.world() == sp.gpus) {
+    res.base_point = point_of(base_in);
+    const std::string k = res.base_point->key();
+    for (size_t i = 0; i < res.ranked.size(); ++i)
+      if (res.ranked[i].point.key() == k) { res.base_rank = i; break; }
+  }
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.score_seconds = res.seconds - res.enumerate_seconds;
+  return res;
+}
+
+// ---------------------------------------------------------------------------------------------
+// When nothing fits
+
+namespace {
+
+std::optional<FitHint> least_memory_fit(const Scenario& base_in, const PlanOptions& o, int gpus) {
+  Scenario base;
+  try {
+    base = resized(base_in, gpus);
+  } catch (const ConfigError&) {
+    return std::nullopt;
+  }
+  PlanOptions opts = o;
+  opts.gpus = gpus;
+  const Space sp = make_space(base, opts);
+  PlanResult res;
+  PartitionCache cache;
+  std::optional<FitHint> best;
+  enumerate(sp, res, cache, [&](const PlanPoint& p, Scenario&&, const MemoryBreakdown& m) {
+    if (!best || m.total() < best->memory.total()) best = FitHint{gpus, p, m};
+  });
+  return best;
+}
+
+}  // namespace
+
+std::optional<FitHint> smallest_fitting_gpus(const Scenario& base, const PlanOptions& o) {
+  const int n0 = o.gpus > 0 ? o.gpus : base.cluster.world();
+  const int node = base.cluster.gpus_per_node;
+  for (int n = n0 * 2; n <= n0 * 64; n *= 2) {
+    const int g = n >= node && n % node != 0 ? (n / node + 1) * node : n;
+    if (auto h = least_memory_fit(base, o, g)) return h;
+  }
+  return std::nullopt;
+}
+
+std::optional<FitHint> fit_without_fixes(const Scenario& base, const PlanOptions& o) {
+  if (o.fixes.empty() && o.vary.empty()) return std::nullopt;
+  PlanOptions free = o;
+  free.fixes.clear();
+  free.vary.clear();
+  return least_memory_fit(base, free, o.gpus > 0 ? o.gpus : base.cluster.world());
+}
+
+std::string megatron_args(const Scenario& sc) {
+  const ParallelSpec& p = sc.parallel;
+  std::ostringstream o;
+  o << "--tensor-model-parallel-size " << p.tp << "\n";
+  o << "--pipeline-model-parallel-size " << p.pp << "\n";
+  if (p.interleave > 1) o << "--num-layers-per-virtual-pipeline-stage " << sc.model.layers / (p.pp * p.interleave) << "\n";
+  if (p.sequence_parallel) o << "--sequence-parallel\n";
+  if (sc.model.is_moe() && p.ep > 1) o << "--expert-model-parallel-size " << p.ep << "\n";
+  o << "--micro-batch-size " << sc.training.micro_batch << "\n";
+  o << "--global-batch-size " << sc.training.global_batch << "\n";
+  if (sc.recompute == Recompute::selective) o << "--recompute-activations\n";
+  if (sc.recompute == Recompute::full)
+    o << "--recompute-granularity full\n--recompute-method uniform\n--recompute-num-layers 1\n";
+  if (p.scatter_gather) o << "# scatter/gather of pipeline activations is Megatron's default with tp > 1\n";
+  if (sc.precision.dtype == Dtype::bf16) o << "--bf16\n";
+  if (sc.precision.dtype == Dtype::fp16) o << "--fp16\n";
+  return o.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Why
+
+std::optional<size_t> best_other_family(const PlanResult& r) {
+  if (r.ranked.empty()) return std::nullopt;
+  const std::string f = r.ranked[0].point.family();
+  for (size_t i = 1; i < r.ranked.size(); ++i)
+    if (r.ranked[i].point.family() != f) return i;
+  return std::nullopt;
+}
+
+std::string explain(const PlanEntry& w, const PlanEntry& o) {
+  auto names = [](const std::string& k) -> std::string {
+    if (k == "compute") return "compute (forward, backward, recompute, optimizer)";
+    if (k == "bubble") return "pipeline bubble";
+    if (k == "offload") return "exposed offload (PCIe)";
+    return "exposed " + k + " communication";
+  };
+  char buf[512];
+  std::ostringstream s;
+  std::snprintf(buf, sizeof buf, "%s (%.3f s per iteration) beats %s %s (%.3f s, %.1f%% slower)",
+                w.point.family().c_str(), w.iteration_seconds, "the best", o.point.family().c_str(),
+                o.iteration_seconds, 100 * (o.iteration_seconds / w.iteration_seconds - 1));
+  s << buf;
+  const auto pw = parts(w.time), po = parts(o.time);
+  std::vector<std::tuple<double, std::string, double, double>> diffs;  // (other - winner, name, other, winner)
+  for (size_t i = 0; i < pw.size(); ++i) diffs.emplace_back(po[i].second - pw[i].second, pw[i].first, po[i].second, pw[i].second);
+  std::sort(diffs.begin(), diffs.end(), [](const auto& a, const auto& b) {
+    return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) > std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
+  });
+  int said = 0;
+  for (const auto& [d, name, ov, wv] : diffs) {
+    if (d <= 0.005 * w.iteration_seconds || said == 2) break;
+    std::snprintf(buf, sizeof buf, "%s %s takes %.3f s (%.0f%% of its iteration) against %.3f s (%.0f%%)",
+                  said == 0 ? ": its" : "; its", names(name).c_str(), ov, 100 * ov / o.iteration_seconds, wv,
+                  100 * wv / w.iteration_seconds);
+    s << buf;
+    ++said;
+  }
+  const auto& [d, name, ov, wv] = diffs.back();
+  if (d < -0.005 * w.iteration_seconds) {
+    std::snprintf(buf, sizeof buf, ", though it saves %.3f s of %s (%.3f s against %.3f s)", -d, names(name).c_str(), ov, wv);
+    s << buf;
+  }
+  s << ".";
+  return s.str();
+}
+
+}  // namespace dssim

@@ -1,0 +1,160 @@
+// The planner (`dssim plan`, docs/plan.md): for a fixed model, cluster size and global batch, every
+// combination of TP / PP / micro-batch / ZeRO stage / recompute / interleave / sequence parallelism /
+// offload / EP (MoE only) that core/validate admits, kept when it fits in GPU and host memory
+// (core/memory), scored with the analytic estimator and ranked by an objective. Deterministic: ties
+// break on PlanPoint::key().
+//
+// Scoring. The estimator evaluates the Program of the whole iteration. A pipeline of m micro-batches
+// reaches its steady state after a few micro-batches, from where every further micro-batch adds the
+// same time to each part of the breakdown; the fast path (the default) evaluates the Program at two
+// short micro-batch counts past that point and extends the line to m (extrapolate_grad_accum).
+// tests/core/test_plan.cpp checks it against the full Program on a stated sample. Memory is always
+// the closed form of the real scenario (it does not depend on m beyond the pipeline's in-flight
+// micro-batches).
+#pragma once
+#include <array>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+#include "core/memory.hpp"
+#include "core/scenario.hpp"
+#include "core/timeline.hpp"
+
+namespace dssim {
+
+// The searched dimensions. dp is not one: it is always GPUs / (tp * pp).
+enum class PlanDim { tp, pp, micro_batch, zero, recompute, interleave, sequence_parallel, offload, ep };
+constexpr int kPlanDims = 9;
+const char* to_string(PlanDim);
+// "tp", "pp", "micro_batch" (also "mb"), "zero", "recompute", "interleave", "sequence_parallel"
+// (also "sp"), "offload", "ep"; "dp" is accepted by the CLI as a no-op. nullopt for anything else.
+std::optional<PlanDim> parse_plan_dim(const std::string&);
+
+enum class Offload { none, optimizer, optimizer_and_params };
+const char* to_string(Offload);
+
+// Lower objective value is better: throughput = seconds per token; cost = GPU-seconds per token
+// (GPU-hours to train); time-to-train = seconds per token as well, shown as days. At one GPU count
+// all three rank alike; across a --gpus sweep cost favours fewer GPUs.
+enum class PlanObjective { throughput, cost, time_to_train };
+const char* to_string(PlanObjective);
+std::optional<PlanObjective> parse_plan_objective(const std::string&);
+
+// One point of the space.
+struct PlanPoint {
+  int tp = 1, pp = 1, dp = 1, micro_batch = 1, zero = 0, interleave = 1, ep = 1;
+  Recompute recompute = Recompute::none;
+  bool sequence_parallel = false;
+  Offload offload = Offload::none;
+  int value(PlanDim) const;  // Recompute / Offload / bool as their integer values
+  // Stable key, e.g. "tp8.pp8.dp16.mb1.z1.rc2.v1.sp0.off0.ep1": ties and the sort break on it.
+  std::string key() const;
+  // Human label, e.g. "TP 8 · PP 8 · DP 16 · v2 · SP | mb 1 | ZeRO-1 | full recompute".
+  std::string label() const;
+  // The family, for comparing the winner with another kind of layout: which of TP / PP / DP / EP
+  // it uses, ZeRO-3 (parameters sharded) or not, offload or not ("TP·PP·DP", "DP ZeRO-3 offload").
+  std::string family() const;
+  bool operator==(const PlanPoint& o) const { return key() == o.key(); }
+};
+PlanPoint point_of(const Scenario&);
+// The base scenario with the point's values: parallel degrees, batch triple (global kept), ZeRO,
+// offload, recompute; the pipeline partition re-resolved (the base's kept when pp and interleave
+// are the base's). Throws ConfigError when the layers cannot be partitioned; does not validate.
+Scenario apply_point(const Scenario& base, const PlanPoint&);
+
+// A --fix constraint on a dimension: "parallel.tp=8", "zero.stage=3", "activation_checkpointing=full",
+// "zero.offload_optimizer=true", "parallel.dp=16" (restricts tp * pp), ...
+struct PlanFix {
+  std::string key;  // as written
+  int value = 0;
+};
+// True when `key` is one the planner searches (then parse_plan_fix reads it); other keys are
+// plain scenario overrides (--set) the caller applies to the base.
+bool is_plan_key(const std::string& key);
+// Throws ConfigError naming --fix and the expected values.
+PlanFix parse_plan_fix(const std::string& key, const std::string& value);
+
+struct PlanOptions {
+  int gpus = 0;                       // 0 = the scenario's cluster
+  std::vector<PlanDim> vary;          // empty = every dimension that applies (ep: MoE only)
+  std::vector<PlanFix> fixes;
+  PlanObjective objective = PlanObjective::throughput;
+  int max_tp = 0;                     // 0 = cluster.gpus_per_node (Megatron keeps TP in a node); a fix overrides
+  bool exact = false;                 // score every point with the whole Program (no extrapolation)
+  // Called while scoring (done, total) about every 2% and at the end.
+  std::function<void(size_t done, size_t total)> progress;
+};
+
+struct PlanScore {
+  double iteration_seconds = 0;
+  TimeBreakdown time;                 // of the critical rank, as the report attributes it
+  bool extrapolated = false;
+};
+// The analytic estimate of one scenario: with exact, the Program of the whole iteration
+// (analytic_report); otherwise extrapolated from two shorter iterations when grad_accum is large
+// enough to gain from it (and exactly otherwise).
+PlanScore score_scenario(const Scenario&, bool exact);
+// The two micro-batch counts the fast path evaluates for a scenario, {0, 0} when it evaluates the
+// whole iteration.
+std::pair<int, int> extrapolation_points(const Scenario&);
+
+struct PlanEntry {
+  PlanPoint point;
+  double iteration_seconds = 0, tokens_per_second = 0, mfu = 0;
+  double time_to_train_seconds = 0;   // tokens_to_train, or 1e9 tokens when the scenario gives none
+  double gpu_hours = 0;               // GPUs x time_to_train
+  double objective = 0;               // lower is better
+  TimeBreakdown time;
+  MemoryBreakdown memory;
+  double capacity = 0;                // GPU memory
+  // Dominant part of the iteration: "compute" (forward + backward + recompute + optimizer), "TP",
+  // "PP", "DP", "EP", "offload", "bubble"; and the largest part that is not compute.
+  std::pair<std::string, double> dominant() const;
+  std::pair<std::string, double> largest_overhead() const;
+};
+
+struct PlanResult {
+  int gpus = 0;
+  int64_t global_batch = 0;
+  size_t enumerated = 0;              // points generated
+  size_t invalid = 0;                 // refused by core/validate (or no pipeline partition)
+  size_t too_big = 0;                 // valid, but over GPU or host memory
+  std::vector<PlanEntry> ranked;      // fits, scored, best first
+  std::optional<size_t> base_rank;    // index in ranked of the base scenario's own point
+  std::optional<PlanPoint> base_point;  // when the base fits this GPU count
+  // The valid point with the smallest peak GPU memory (for "does not fit" messages).
+  std::optional<PlanPoint> smallest_point;
+  MemoryBreakdown smallest_memory;
+  std::string first_invalid;          // one validate message, for an empty space
+  double seconds = 0;                 // wall time of the search
+  double enumerate_seconds = 0;       // of which generating, validating and sizing the points
+  double score_seconds = 0;           // and scoring the ones that fit
+};
+
+PlanResult plan(const Scenario& base, const PlanOptions&);
+
+// When nothing fits: the smallest GPU count (doubling from the plan's, up to 64x, multiples of a
+// node) at which some point fits with the same fixes, and that point; nullopt if none.
+struct FitHint {
+  int gpus = 0;
+  PlanPoint point;
+  MemoryBreakdown memory;
+};
+std::optional<FitHint> smallest_fitting_gpus(const Scenario& base, const PlanOptions&);
+// The same GPU count with the fixes released: the point that fits with the least memory.
+std::optional<FitHint> fit_without_fixes(const Scenario& base, const PlanOptions&);
+
+// Megatron-LM's command-line flags for what a ds_config cannot say: --tensor-model-parallel-size,
+// --pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, --sequence-parallel,
+// the recompute flags, the batch sizes (and --expert-model-parallel-size for MoE). One flag a line.
+std::string megatron_args(const Scenario&);
+
+// Why `winner` beats `other`, from the two breakdowns: the categories where they differ most,
+// in seconds and shares of each iteration. One or two sentences.
+std::string explain(const PlanEntry& winner, const PlanEntry& other);
+// The best entry of a family other than ranked[0]'s; nullopt when all share it.
+std::optional<size_t> best_other_family(const PlanResult&);
+
+}  // namespace dssim
