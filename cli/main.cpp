@@ -13,6 +13,7 @@ void usage(FILE* out) {
                "verbs:\n"
                "  scenario FILE.yaml   predict one training iteration: memory, time, where it goes\n"
                "  run FILE.yaml        train the scenario's model for real (libtorch; --backend cpu|cuda)\n"
+               "  plan FILE.yaml       search TP/PP/DP/ZeRO/micro-batch/recompute/... for the fastest that fits\n"
                "  validate             predictions vs published tables and committed measurements\n"
                "  compare FILE.yaml    predicted vs measured (--backend cuda|cpu), per instruction kind\n"
                "  calibrate            measure this GPU (or CPU) into a device profile (--backend cuda|cpu)\n"
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
   }
   if (verb == "scenario") return dssim::cli::verb_scenario(argc - 1, argv + 1);
   if (verb == "run") return dssim::cli::verb_run(argc - 1, argv + 1);
+  if (verb == "plan") return dssim::cli::verb_plan(argc - 1, argv + 1);
   if (verb == "validate") return dssim::cli::verb_validate(argc - 1, argv + 1);
   if (verb == "calibrate") return dssim::cli::verb_calibrate(argc - 1, argv + 1);
   if (verb == "compare") return dssim::cli::verb_compare(argc - 1, argv + 1);

@@ -9,5 +9,6 @@ int verb_run(int argc, char** argv);       // cli/verb_run.cpp (torch backend)
 int verb_validate(int argc, char** argv);  // cli/verb_validate.cpp
 int verb_calibrate(int argc, char** argv); // cli/verb_calibrate.cpp (torch backend)
 int verb_compare(int argc, char** argv);   // cli/verb_compare.cpp
+int verb_plan(int argc, char** argv);      // cli/verb_plan.cpp
 
 }  // namespace dssim::cli

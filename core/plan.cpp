@@ -81,27 +81,26 @@ std::string PlanPoint::key() const {
 
 std::string PlanPoint::label() const {
   std::ostringstream o;
-  o << "TP " << tp << " · PP " << pp << " · DP " << dp;
-  if (ep > 1) o << " · EP " << ep;
-  if (interleave > 1) o << " · v" << interleave;
-  if (sequence_parallel) o << " · SP";
+  o << "TP" << tp << " PP" << pp << " DP" << dp;
+  if (ep > 1) o << " EP" << ep;
+  if (interleave > 1) o << " v" << interleave;
+  if (sequence_parallel) o << " SP";
   o << " | mb " << micro_batch << " | ZeRO-" << zero;
-  if (offload == Offload::optimizer) o << " +opt offload";
-  if (offload == Offload::optimizer_and_params) o << " +opt/param offload";
+  if (offload == Offload::optimizer) o << " opt-offload";
+  if (offload == Offload::optimizer_and_params) o << " opt+param-offload";
   o << " | " << (recompute == Recompute::none ? "no recompute" : recompute == Recompute::selective ? "selective" : "full recompute");
   return o.str();
 }
 
 std::string PlanPoint::family() const {
   std::string f;
-  auto add = [&](const char* s) { f += (f.empty() ? "" : "·") + std::string(s); };
+  auto add = [&](const char* s) { f += (f.empty() ? "" : "+") + std::string(s); };
   if (tp > 1) add("TP");
   if (pp > 1) add("PP");
   if (dp > 1) add("DP");
   if (ep > 1) add("EP");
   if (f.empty()) f = "single GPU";
   if (zero == 3) f += " ZeRO-3";
-  if (offload != Offload::none) f += " offload";
   return f;
 }
 

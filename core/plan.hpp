@@ -51,10 +51,10 @@ struct PlanPoint {
   int value(PlanDim) const;  // Recompute / Offload / bool as their integer values
   // Stable key, e.g. "tp8.pp8.dp16.mb1.z1.rc2.v1.sp0.off0.ep1": ties and the sort break on it.
   std::string key() const;
-  // Human label, e.g. "TP 8 · PP 8 · DP 16 · v2 · SP | mb 1 | ZeRO-1 | full recompute".
+  // Human label (ASCII, for aligned tables), e.g. "TP8 PP8 DP16 v2 SP | mb 1 | ZeRO-1 | full recompute".
   std::string label() const;
   // The family, for comparing the winner with another kind of layout: which of TP / PP / DP / EP
-  // it uses, ZeRO-3 (parameters sharded) or not, offload or not ("TP·PP·DP", "DP ZeRO-3 offload").
+  // it uses, and ZeRO-3 (parameters sharded) or not ("TP+PP+DP", "DP ZeRO-3").
   std::string family() const;
   bool operator==(const PlanPoint& o) const { return key() == o.key(); }
 };
