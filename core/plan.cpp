@@ -391,29 +391,35 @@ PlanFix parse_plan_fix(const std::string& key, const std::string& value) {
 // ---------------------------------------------------------------------------------------------
 // Scoring
 
-std::pair<int, int> extrapolation_points(const Scenario& sc) {
+std::array<int, 3> extrapolation_points(const Scenario& sc) {
   // Past its first micro-batches a pipeline is in its steady state: each further micro-batch adds
-  // the same time to every part of the breakdown (measured: 1F1B from 2 micro-batches on, whatever
-  // pp; Megatron's interleaved schedule, whose count stays a multiple of pp, from 2 pp on). Two
-  // points past it fix the line; the whole iteration is evaluated when that would not be shorter.
+  // the same time to every part of the breakdown. Where that starts depends on the pipeline (the
+  // estimator's T(m) for GPT-3 175B: 1F1B from ~pp/2 with uneven stages, Megatron's interleaved
+  // schedule, whose count stays a multiple of pp, from 2 pp), so three points u apart are
+  // evaluated, u = max(pp, 4) (interleaved: the multiple of pp from 4), at u, 2u, 3u (interleaved:
+  // 2u, 3u, 4u), and the line through the last two is used only when the first agrees with it;
+  // otherwise, or when it would not be shorter, the whole iteration.
   const int pp = sc.parallel.pp;
   const bool interleaved = sc.parallel.interleave > 1;
-  const int m1 = interleaved ? 2 * pp : 2;
-  const int m2 = interleaved ? 3 * pp : 3;
-  if (sc.training.grad_accum <= m2) return {0, 0};
-  return {m1, m2};
+  const int unit = interleaved ? pp * ((4 + pp - 1) / pp) : std::max(pp, 4);  // at least 4 apart
+  const int m1 = interleaved ? 2 * unit : unit, m2 = m1 + unit, m3 = m2 + unit;
+  if (sc.training.grad_accum <= m3 + unit) return {0, 0, 0};
+  return {m1, m2, m3};
 }
 
 PlanScore score_scenario(const Scenario& sc, bool exact) {
-  const auto [m1, m2] = exact ? std::pair<int, int>{0, 0} : extrapolation_points(sc);
+  const auto [m1, m2, m3] = exact ? std::array<int, 3>{0, 0, 0} : extrapolation_points(sc);
   if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum);
-  const PlanScore a = evaluate_at(sc, m1), b = evaluate_at(sc, m2);
-  const double k = double(sc.training.grad_accum - m1) / double(m2 - m1);
+  const PlanScore a = evaluate_at(sc, m1), b = evaluate_at(sc, m2), c = evaluate_at(sc, m3);
+  const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
+  const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
+  if (std::abs(s23 - s12) > 1e-6 * std::abs(s23)) return evaluate_at(sc, sc.training.grad_accum);  // not steady yet
+  const double k = double(sc.training.grad_accum - m2) / double(m3 - m2);
   auto line = [&](double x, double y) { return x + k * (y - x); };
   PlanScore r;
   r.extrapolated = true;
-  r.iteration_seconds = line(a.iteration_seconds, b.iteration_seconds);
-  const TimeBreakdown &ta = a.time, &tb = b.time;
+  r.iteration_seconds = line(b.iteration_seconds, c.iteration_seconds);
+  const TimeBreakdown &ta = b.time, &tb = c.time;
   TimeBreakdown& t = r.time;
   t.forward = line(ta.forward, tb.forward);
   t.backward = line(ta.backward, tb.backward);

@@ -6,8 +6,9 @@
 //
 // Scoring. The estimator evaluates the Program of the whole iteration. A pipeline of m micro-batches
 // reaches its steady state after a few micro-batches, from where every further micro-batch adds the
-// same time to each part of the breakdown; the fast path (the default) evaluates the Program at two
-// short micro-batch counts past that point and extends the line to m (extrapolate_grad_accum).
+// same time to each part of the breakdown; the fast path (the default) evaluates the Program at
+// three short micro-batch counts and, when they lie on one line, extends it to m
+// (extrapolation_points).
 // tests/core/test_plan.cpp checks it against the full Program on a stated sample. Memory is always
 // the closed form of the real scenario (it does not depend on m beyond the pipeline's in-flight
 // micro-batches).
@@ -96,9 +97,9 @@ struct PlanScore {
 // (analytic_report); otherwise extrapolated from two shorter iterations when grad_accum is large
 // enough to gain from it (and exactly otherwise).
 PlanScore score_scenario(const Scenario&, bool exact);
-// The two micro-batch counts the fast path evaluates for a scenario, {0, 0} when it evaluates the
-// whole iteration.
-std::pair<int, int> extrapolation_points(const Scenario&);
+// The three micro-batch counts the fast path evaluates for a scenario, {0, 0, 0} when it evaluates
+// the whole iteration (it also does when the three are not on one line).
+std::array<int, 3> extrapolation_points(const Scenario&);
 
 struct PlanEntry {
   PlanPoint point;

@@ -1,0 +1,232 @@
+// The planner (core/plan.hpp): the fast path against the whole-iteration Program, pruning,
+// determinism, the infeasible case, Megatron-LM's Table 1 (SC'21), and the emitted ds_config.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include "core/deepspeed_config.hpp"
+#include "core/memory.hpp"
+#include "core/model.hpp"
+#include "core/plan.hpp"
+#include "core/scenario_loader.hpp"
+#include "core/validate.hpp"
+
+using namespace dssim;
+
+namespace {
+
+// One search shared by the cases that only read it: GPT-3 175B, batch 1536, 1024 GPUs, all dimensions.
+const PlanResult& gpt175b_plan() {
+  static const PlanResult r = plan(load_scenario("gpt175b"), PlanOptions{});
+  return r;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+void check_fast_against_exact(const Scenario& base, const PlanResult& r, size_t want, size_t& sampled) {
+  // every k-th ranked configuration, k for ~4 x want of them, until `want` were extrapolated
+  const size_t stride = std::max<size_t>(1, r.ranked.size() / (4 * want));
+  const size_t before = sampled;
+  for (size_t i = 0; i < r.ranked.size() && sampled - before < want; i += stride) {
+    const PlanEntry& e = r.ranked[i];
+    const Scenario s = apply_point(base, e.point);
+    if (extrapolation_points(s)[0] == 0) continue;  // scored whole anyway
+    const PlanScore fast = score_scenario(s, false), exact = score_scenario(s, true);
+    INFO(e.point.label() << " grad_accum " << s.training.grad_accum);
+    if (!fast.extrapolated) continue;  // not steady at its three points: scored whole
+    CHECK(fast.iteration_seconds == e.iteration_seconds);
+    CHECK(rel(fast.iteration_seconds, exact.iteration_seconds) <= 0.005);
+    // every part of the breakdown within 0.5 % of the iteration
+    const TimeBreakdown &f = fast.time, &x = exact.time;
+    const double T = exact.iteration_seconds;
+    for (auto [a, b] : std::vector<std::pair<double, double>>{
+             {f.forward, x.forward}, {f.backward, x.backward}, {f.recompute, x.recompute}, {f.optimizer, x.optimizer},
+             {f.exposed_tp, x.exposed_tp}, {f.exposed_pp, x.exposed_pp}, {f.exposed_dp, x.exposed_dp},
+             {f.exposed_ep, x.exposed_ep}, {f.exposed_offload, x.exposed_offload}, {f.bubble + f.idle, x.bubble + x.idle}})
+      CHECK(std::abs(a - b) <= 0.005 * T);
+    // memory is the closed form of the real scenario: identical
+    CHECK(peak_memory(s).total() == e.memory.total());
+    ++sampled;
+  }
+}
+
+Scenario megatron_row(const YAML::Node& doc, const YAML::Node& row) {
+  YAML::Emitter base;
+  base << doc["scenario"];
+  LoadOptions lo;
+  lo.overrides = row["set"].as<std::vector<std::string>>();
+  return load_scenario_from_string(base.c_str(), lo, "megatron_sc21_table1 row " + row["label"].as<std::string>());
+}
+
+}  // namespace
+
+TEST_CASE("plan: the fast path matches the whole-iteration Program within 0.5% (>= 200 sampled configurations)",
+          "[plan]") {
+  // The sample: every k-th ranked configuration of GPT-3 175B on 1024 GPUs (all dimensions:
+  // TP, PP, micro-batch, ZeRO 0-3, recompute, interleave, SP, offload; k = ranked / 1000) of which
+  // the fast path extrapolates (grad_accum past its three points, on one line), the first 250;
+  // plus the first 30 of every k-th of the MoE scenario (EP) on its 64 GPUs.
+  const PlanResult& r = gpt175b_plan();
+  size_t sampled = 0;
+  check_fast_against_exact(load_scenario("gpt175b"), r, 250, sampled);
+  const size_t dense = sampled;
+  const Scenario moe = load_scenario("moe");
+  PlanOptions o;
+  o.vary = {PlanDim::tp, PlanDim::pp, PlanDim::micro_batch, PlanDim::zero, PlanDim::ep, PlanDim::interleave};
+  const PlanResult rm = plan(moe, o);
+  REQUIRE(!rm.ranked.empty());
+  check_fast_against_exact(moe, rm, 30, sampled);
+  INFO("dense " << dense << ", MoE " << sampled - dense);
+  CHECK(dense >= 200);
+  CHECK(sampled - dense >= 20);
+}
+
+TEST_CASE("plan: every ranked configuration passes validate and fits; counts add up", "[plan]") {
+  const PlanResult& r = gpt175b_plan();
+  const Scenario base = load_scenario("gpt175b");
+  REQUIRE(r.ranked.size() > 100);
+  CHECK(r.enumerated == r.invalid + r.too_big + r.ranked.size());
+  std::set<std::string> keys;
+  for (const PlanEntry& e : r.ranked) {
+    const Scenario s = apply_point(base, e.point);
+    INFO(e.point.label());
+    CHECK_NOTHROW(validate(s));
+    CHECK(e.memory.total() <= s.cluster.gpu.memory_bytes);
+    CHECK(e.point.tp * e.point.pp * e.point.dp == 1024);
+    CHECK(s.training.global_batch == 1536);
+    keys.insert(e.point.key());
+  }
+  CHECK(keys.size() == r.ranked.size());  // no configuration twice
+  // ranked best first, ties broken on the key
+  for (size_t i = 1; i < r.ranked.size(); ++i) {
+    const PlanEntry &a = r.ranked[i - 1], &b = r.ranked[i];
+    CHECK((a.objective < b.objective || (a.objective == b.objective && a.point.key() < b.point.key())));
+  }
+  // the scenario's own configuration is in the space and ranked
+  REQUIRE(r.base_rank);
+  CHECK(r.ranked[*r.base_rank].point.key() == point_of(base).key());
+  CHECK(r.ranked[0].tokens_per_second >= r.ranked[*r.base_rank].tokens_per_second);
+}
+
+TEST_CASE("plan: deterministic", "[plan]") {
+  const Scenario sc = load_scenario("gpt13b_zero2");
+  PlanOptions o;
+  const PlanResult a = plan(sc, o), b = plan(sc, o);
+  REQUIRE(!a.ranked.empty());
+  REQUIRE(a.ranked.size() == b.ranked.size());
+  CHECK(a.enumerated == b.enumerated);
+  for (size_t i = 0; i < a.ranked.size(); ++i) {
+    CHECK(a.ranked[i].point.key() == b.ranked[i].point.key());
+    CHECK(a.ranked[i].iteration_seconds == b.ranked[i].iteration_seconds);
+  }
+}
+
+TEST_CASE("plan: --fix and --vary restrict the space", "[plan]") {
+  const Scenario sc = load_scenario("gpt13b_zero2");
+  PlanOptions o;
+  o.fixes = {parse_plan_fix("parallel.tp", "2"), parse_plan_fix("activation_checkpointing", "full")};
+  const PlanResult r = plan(sc, o);
+  REQUIRE(!r.ranked.empty());
+  for (const PlanEntry& e : r.ranked) {
+    CHECK(e.point.tp == 2);
+    CHECK(e.point.recompute == Recompute::full);
+  }
+  PlanOptions v;
+  v.vary = {PlanDim::micro_batch};
+  const PlanResult rv = plan(sc, v);
+  REQUIRE(!rv.ranked.empty());
+  for (const PlanEntry& e : rv.ranked) {
+    CHECK(e.point.tp == sc.parallel.tp);
+    CHECK(e.point.pp == sc.parallel.pp);
+    CHECK(e.point.zero == sc.zero.stage);
+  }
+  CHECK(rv.enumerated == rv.ranked.size() + rv.invalid + rv.too_big);
+  CHECK_THROWS_WITH(parse_plan_fix("parallel.tp", "eight"), Catch::Contains("--fix parallel.tp=eight") && Catch::Contains("integer"));
+  CHECK_THROWS_WITH(parse_plan_fix("zero.stage", "4"), Catch::Contains("0, 1, 2 or 3"));
+  CHECK_THROWS_WITH(parse_plan_fix("activation_checkpointing", "some"), Catch::Contains("none, selective or full"));
+  CHECK(!is_plan_key("precision.dtype"));
+}
+
+TEST_CASE("plan: nothing fits GPT-3 175B on 8 GPUs; the smallest GPU count that fits is named", "[plan]") {
+  const Scenario sc = load_scenario("gpt175b");
+  PlanOptions o;
+  o.gpus = 8;
+  const PlanResult r = plan(sc, o);
+  CHECK(r.ranked.empty());
+  CHECK(r.enumerated > 0);
+  REQUIRE(r.smallest_point);
+  CHECK(r.smallest_memory.total() > 0);
+  const auto hint = smallest_fitting_gpus(sc, o);
+  REQUIRE(hint);
+  CHECK(hint->gpus > 8);
+  CHECK(hint->gpus % 8 == 0);
+  // it does fit there, and nothing fits at half of it
+  PlanOptions at = o;
+  at.gpus = hint->gpus;
+  CHECK(!plan(sc, at).ranked.empty());
+  if (hint->gpus / 2 > 8) {
+    at.gpus = hint->gpus / 2;
+    CHECK(plan(sc, at).ranked.empty());
+  }
+}
+
+TEST_CASE("plan: Megatron-LM SC'21 Table 1 — the plan at the paper's GPUs and batch is at least as fast as the published configuration",
+          "[plan][megatron]") {
+  // Megatron-LM's own knobs (TP, PP, micro-batch, interleave, and its 2022 recompute / sequence
+  // parallelism) are searched with the paper's batch, GPU count, fp16 and no ZeRO. The published layout must be found and ranked, and
+  // the best must reach at least the paper's measured throughput (hardware TFLOP/s per GPU with
+  // eq. 3's FLOPs) and at least the published layout's predicted one.
+  const YAML::Node doc = YAML::LoadFile(data_root() + "/validation/published/megatron_sc21_table1.yaml");
+  PlanOptions o;
+  o.vary = {PlanDim::tp, PlanDim::pp, PlanDim::micro_batch, PlanDim::interleave, PlanDim::recompute,
+            PlanDim::sequence_parallel};
+  int rows = 0;
+  for (const YAML::Node& row : doc["rows"]) {
+    const Scenario sc = megatron_row(doc, row);
+    const PlanResult r = plan(sc, o);
+    const std::string label = row["label"].as<std::string>();
+    INFO(label << ": " << r.ranked.size() << " ranked");
+    REQUIRE(!r.ranked.empty());
+    REQUIRE(r.base_rank);
+    const PlanEntry& published = r.ranked[*r.base_rank];
+    const double gpus = sc.cluster.world();
+    const double published_tokens = row["published"].as<double>() * 1e12 * gpus /
+                                    hardware_flops_per_iteration(sc.model, sc.training.global_batch, sc.recompute) *
+                                    sc.training.global_batch * sc.model.seq_len;
+    INFO("best " << r.ranked[0].point.label() << " " << r.ranked[0].tokens_per_second << " tokens/s; published layout "
+                 << published.point.label() << " ranks " << *r.base_rank + 1 << " at " << published.tokens_per_second
+                 << " tokens/s predicted, " << published_tokens << " measured");
+    CHECK(r.ranked[0].tokens_per_second >= published.tokens_per_second);
+    CHECK(r.ranked[0].tokens_per_second >= published_tokens);
+    ++rows;
+  }
+  CHECK(rows == 10);
+}
+
+TEST_CASE("plan: the emitted ds_config loads back to the same training setup", "[plan]") {
+  const PlanResult& r = gpt175b_plan();
+  const Scenario base = load_scenario("gpt175b");
+  for (size_t i : {size_t(0), size_t(3), r.ranked.size() / 2}) {
+    const Scenario best = apply_point(base, r.ranked[i].point);
+    const std::string yaml_path = "/tmp/dssim_plan_test_" + std::to_string(::getpid()) + "_" + std::to_string(i) + ".yaml";
+    const std::string ds_path = "/tmp/dssim_plan_test_" + std::to_string(::getpid()) + "_" + std::to_string(i) + ".json";
+    std::ofstream(yaml_path) << to_yaml(best);
+    std::ofstream(ds_path) << to_deepspeed_config(best).dump(2);
+    LoadOptions lo;
+    lo.deepspeed_config = ds_path;
+    const Scenario back = load_scenario(yaml_path, lo);
+    INFO(r.ranked[i].point.label());
+    CHECK(point_of(back).key() == r.ranked[i].point.key());
+    CHECK(back.precision.dtype == best.precision.dtype);
+    CHECK(back.training.gradient_clipping == best.training.gradient_clipping);
+    CHECK(back.optimizer.kind == best.optimizer.kind);
+    CHECK(back.parallel.pipeline_engine == best.parallel.pipeline_engine);
+    std::remove(yaml_path.c_str());
+    std::remove(ds_path.c_str());
+  }
+}
