@@ -66,6 +66,67 @@ PY
     done
     [ "$n" -ge 6 ] || fail "only $n shipped scenarios"
     ;;
+  plan_ranked)
+    run plan scenarios/gpt13b_zero2.yaml --top 5 --vary tp,pp,micro_batch,zero,recompute
+    expect_rc 0
+    expect_out "^dssim plan gpt13b_zero2: 64 x A100-40GB, global batch 512"
+    expect_out "configurations on 64 GPUs: [0-9]+ refused by validation, [0-9]+ over GPU or host memory, [0-9]+ fit"
+    expect_out "^ +1 +TP"
+    expect_out "the scenario's own configuration .* ranks [0-9]+ of [0-9]+"
+    expect_out "^Why: .* beats the best"
+    [ "$(grep -cE '^ +[0-9]+[ *] +TP' "$TMP/out")" -ge 5 ] || fail "fewer than 5 ranked rows"
+    ;;
+  plan_json)
+    run plan scenarios/gpt13b_zero2.yaml --json --top 3 --vary tp,pp,micro_batch,zero
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["schema"] == "dssim.plan/1"
+p = j["plans"][0]
+assert p["gpus"] == 64 and p["global_batch"] == 512
+c = p["counts"]
+assert c["enumerated"] == c["invalid"] + c["too_big"] + c["scored"], c
+r = p["ranked"]
+assert len(r) == 3 and [e["rank"] for e in r] == [1, 2, 3]
+assert r[0]["tokens_per_second"] >= r[1]["tokens_per_second"] >= r[2]["tokens_per_second"]
+e = r[0]
+assert e["config"]["tp"] * e["config"]["pp"] * e["config"]["dp"] == 64
+assert e["memory_bytes"]["peak"] <= e["memory_bytes"]["capacity"]
+assert abs(sum(e["time_seconds"].values()) - e["iteration_seconds"]) <= 1e-6 * e["iteration_seconds"]
+assert p["scenario_config"]["rank"] >= 1
+PY
+    ;;
+  plan_infeasible)
+    run plan scenarios/gpt175b.yaml --gpus 8
+    expect_rc 3
+    expect_err "no configuration of gpt175b fits 8 x A100-80GB"
+    expect_err "smallest GPU count that fits is [0-9]+"
+    ;;
+  plan_bad_flags)
+    run plan scenarios/gpt13b_zero2.yaml --vary tp,ppp
+    expect_rc 2; expect_err "--vary: unknown dimension 'ppp'"
+    run plan scenarios/gpt13b_zero2.yaml --fix parallel.tp=eight
+    expect_rc 2; expect_err "--fix parallel.tp=eight: expected an integer"
+    run plan scenarios/gpt13b_zero2.yaml --fix parallel.tp
+    expect_rc 2; expect_err "--fix 'parallel.tp': expected key=value"
+    run plan scenarios/gpt13b_zero2.yaml --gpus 64..8
+    expect_rc 2; expect_err "--gpus 64..8: the range is empty"
+    run plan scenarios/gpt13b_zero2.yaml --objective speed
+    expect_rc 2; expect_err "--objective 'speed': use throughput, cost or time-to-train"
+    run plan scenarios/gpt13b_zero2.yaml --top 0
+    expect_rc 2; expect_err "--top 0: must be at least 1"
+    run plan scenarios/gpt13b_zero2.yaml --fix parallel.tpp=2
+    expect_rc 2; expect_err "parallel\.tpp.*parallel\.tp"
+    ;;
+  plan_emit_best)
+    run plan scenarios/gpt13b_zero2.yaml --vary tp,pp,micro_batch,zero --emit-best "$TMP/outdir/best"
+    expect_rc 0
+    [ "$(ls "$TMP/outdir/best" | tr '\n' ' ')" = "ds_config.json megatron_args.txt scenario.yaml " ] || fail "files: $(ls "$TMP/outdir/best")"
+    grep -q -- "--tensor-model-parallel-size" "$TMP/outdir/best/megatron_args.txt" || fail "no TP flag"
+    run scenario "$TMP/outdir/best/scenario.yaml" --backend analytic --deepspeed_config "$TMP/outdir/best/ds_config.json" --json
+    expect_rc 0
+    ;;
   missing_file)
     run scenario "$TMP/nope.yaml" --output "$TMP/outdir/r.json"
     expect_refused "nope.yaml"
