@@ -86,7 +86,7 @@ TEST_CASE("plan: the fast path matches the whole-iteration Program within 0.5% (
   CHECK(sampled - dense >= 20);
 }
 
-TEST_CASE("plan: every ranked configuration passes validate and fits; counts add up", "[plan]") {
+TEST_CASE("plan: every ranked configuration passes validate and fits and the counts add up", "[plan]") {
   const PlanResult& r = gpt175b_plan();
   const Scenario base = load_scenario("gpt175b");
   REQUIRE(r.ranked.size() > 100);
@@ -152,7 +152,7 @@ TEST_CASE("plan: --fix and --vary restrict the space", "[plan]") {
   CHECK(!is_plan_key("precision.dtype"));
 }
 
-TEST_CASE("plan: nothing fits GPT-3 175B on 8 GPUs; the smallest GPU count that fits is named", "[plan]") {
+TEST_CASE("plan: nothing fits GPT-3 175B on 8 GPUs and the smallest GPU count that fits is named", "[plan]") {
   const Scenario sc = load_scenario("gpt175b");
   PlanOptions o;
   o.gpus = 8;
