@@ -5,7 +5,7 @@
 # table last. Back on the development machine, scripts/import_measurements.sh turns $OUT into
 # profiles/h200.yaml and the measurement records validation/measured/*.json.
 #
-#   scripts/gpu_validate.sh [--steps N] [--only NAME] [--skip-calibrate | --calibrate-only] [-- calibrate options]
+#   scripts/gpu_validate.sh [--steps N] [--only NAME[,NAME...]] [--skip-calibrate | --calibrate-only] [-- calibrate options]
 #
 # Dependencies the GPU image lacks come from .deps (scripts/gpu_bench.sh --make-deps .deps).
 set -euo pipefail
@@ -50,7 +50,11 @@ fi
 for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
   [[ $MEASURE == 1 ]] || break
   name=$(basename "$f" .yaml)
-  [[ -n "$ONLY" && "$name" != *"$ONLY"* ]] && continue
+  if [[ -n "$ONLY" ]]; then  # comma-separated name fragments
+    keep=0; IFS=, read -ra parts <<< "$ONLY"
+    for part in "${parts[@]}"; do [[ "$name" == *"$part"* ]] && keep=1; done
+    [[ $keep == 1 ]] || continue
+  fi
   steps=$STEPS warm=2
   # A step of the offloaded 7B scenario runs AdamW over 6.7 B parameters on the host: fewer steps.
   [[ "$name" == *offload* ]] && steps=$(( STEPS < 4 ? STEPS : 4 )) warm=1
