@@ -2,6 +2,7 @@
 // Measures the device with libtorch and writes a device profile (core/device_profile.hpp) that
 // scenarios name with cluster.device_profile. Options are parsed by hand: this file is also linked
 // into dssim_calibrate_run, which the GPU script builds where Boost may be missing.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -23,6 +24,10 @@ const char* kUsage =
     "  --device N             CUDA device index (default 0)\n"
     "  --seconds-per-point S  timing budget of one measured point (default 0.05)\n"
     "  --no-collectives       skip NCCL collectives even with several GPUs\n"
+    "  --only LIST            measure only these families: gemm, attention, elementwise, backward,\n"
+    "                         moe, optimizer, host, copies, collectives (comma-separated)\n"
+    "  --merge FILE           start from the profile FILE and replace only the rows measured now\n"
+    "                         (its other rows and metadata kept; a note records the merge)\n"
     "  --quiet                no progress lines on stderr\n"
     "A scenario uses the result with `cluster.device_profile: FILE` (docs/device-profile.md).\n";
 
@@ -42,7 +47,7 @@ bool parse_dtypes(const std::string& list, std::vector<Dtype>& out) {
 
 int verb_calibrate(int argc, char** argv) {
   tb::CalibrateOptions o;
-  std::string out;
+  std::string out, merge;
   bool quiet = false;
   std::string command = "dssim calibrate";
   auto fail = [](const std::string& msg) {
@@ -84,6 +89,22 @@ int verb_calibrate(int argc, char** argv) {
       if (!value(s) || (o.seconds_per_point = std::strtod(s.c_str(), &end), s.empty() || *end) || !(o.seconds_per_point > 0))
         return fail("--seconds-per-point needs a positive number");
     } else if (a == "--no-collectives") { o.collectives = false; }
+    else if (a == "--only") {
+      std::string s, item;
+      if (!value(s) || s.empty()) return fail("--only needs a list of families (e.g. moe)");
+      std::stringstream ss(s);
+      while (std::getline(ss, item, ',')) {
+        static const std::vector<std::string> known = {"gemm", "attention", "elementwise", "backward", "moe",
+                                                       "optimizer", "host", "copies", "collectives"};
+        if (std::find(known.begin(), known.end(), item) == known.end())
+          return fail("--only: unknown family '" + item + "' (gemm, attention, elementwise, backward, moe, optimizer, "
+                      "host, copies, collectives)");
+        o.only.push_back(item);
+      }
+      command += " --only " + s;
+    } else if (a == "--merge") {
+      if (!value(merge) || merge.empty()) return fail("--merge needs a profile file");
+    }
     else if (a == "--quiet") { quiet = true; }
     else return fail("unknown option '" + a + "'");
   }
@@ -99,6 +120,14 @@ int verb_calibrate(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dssim calibrate: failed: %s\n", e.what());
     return 1;
+  }
+  if (!merge.empty()) {
+    try {
+      p = merge_device_profile(load_device_profile(merge), p);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dssim calibrate: --merge %s: %s\n", merge.c_str(), e.what());
+      return 2;
+    }
   }
   const std::string yaml = to_yaml(p);
   try {

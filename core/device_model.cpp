@@ -6,7 +6,9 @@
 namespace dssim {
 
 DeviceModel::DeviceModel(const Scenario& sc)
-    : DeviceModel(sc.cluster, sc.precision.dtype, sc.recompute, sc.model.flash_attention) {}
+    : DeviceModel(sc.cluster, sc.precision.dtype, sc.recompute, sc.model.flash_attention) {
+  onebit_step_ = sc.optimizer.onebit_compressed(sc.zero.stage);
+}
 
 DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute, bool flash_attention)
     : cluster_(cluster),
@@ -110,10 +112,15 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
     return t;
   }
   // No kernel list (optimizer step): a fused multi-tensor kernel, memory-bound in practice. A
-  // profile's optimizer_step rows time the engine's whole step sequence over the same bytes.
-  if (profile_ && inst.op == Op::OptimizerStep && inst.memory_bytes > 0)
+  // profile's optimizer_step rows time the engine's whole step sequence over the same bytes (1-bit
+  // Adam's compressed phase: its onebit_step rows where measured).
+  if (profile_ && inst.op == Op::OptimizerStep && inst.memory_bytes > 0) {
+    if (onebit_step_)
+      if (auto bw = profile_->elementwise_bytes_per_second("onebit_step", dtype_, inst.memory_bytes))
+        return inst.memory_bytes / *bw;
     if (auto bw = profile_->elementwise_bytes_per_second("optimizer_step", dtype_, inst.memory_bytes))
       return inst.memory_bytes / *bw;
+  }
   const double memory = inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
   const double compute = inst.flops / (cluster_.gpu.peak_flops_32 > 0 ? cluster_.gpu.peak_flops_32 : peak_);
   return std::max(memory, compute) + g.kernel_launch;

@@ -45,6 +45,7 @@ class DeviceModel {
   ClusterSpec cluster_;
   Recompute recompute_;
   bool flash_attention_;
+  bool onebit_step_ = false;  // the step is 1-bit Adam's compressed-phase update
   double peak_;
   Dtype dtype_;
   std::shared_ptr<const DeviceProfile> profile_;

@@ -217,7 +217,8 @@ const std::vector<std::string> kAttentionKernels = {"flash", "plain", "flash_bac
 const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw",
                                                   "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
                                                   "cross_entropy_backward", "embedding_backward", "attention_layout_copies",
-                                                  "host_accumulate"};
+                                                  "host_accumulate", "moe_routing", "moe_routing_backward", "moe_dispatch",
+                                                  "moe_dispatch_backward", "moe_combine", "moe_combine_backward", "onebit_step"};
 // Elementwise families that stand in for one another (gelu / layer_norm -> add); the optimizer
 // rows and the backward-pass kernels (layer_norm_backward ... embedding_backward) have their own
 // byte conventions and no stand-in.
@@ -590,6 +591,49 @@ std::string device_profile_summary(const DeviceProfile& p) {
   }
   for (const auto& n : m.notes) o << "note: " << n << "\n";
   return o.str();
+}
+
+DeviceProfile merge_device_profile(DeviceProfile base, const DeviceProfile& fresh) {
+  if (base.metadata.backend != fresh.metadata.backend || base.metadata.gpu != fresh.metadata.gpu)
+    throw std::invalid_argument("the profile was measured on " + base.metadata.gpu + " (" + base.metadata.backend +
+                                "), this run on " + fresh.metadata.gpu + " (" + fresh.metadata.backend +
+                                "): merge only runs of the same device");
+  // Rows of `table` whose key a fresh row shares are dropped, then the fresh rows appended.
+  const auto replace = [](auto& table, const auto& rows, auto key) {
+    std::set<decltype(key(rows.front()))> keys;
+    for (const auto& r : rows) keys.insert(key(r));
+    table.erase(std::remove_if(table.begin(), table.end(), [&](const auto& r) { return keys.count(key(r)) > 0; }),
+                table.end());
+    table.insert(table.end(), rows.begin(), rows.end());
+    return keys.size();
+  };
+  std::set<std::string> merged;
+  if (!fresh.elementwise.empty()) {
+    replace(base.elementwise, fresh.elementwise, [](const BandwidthPoint& r) { return r.op; });
+    for (const auto& r : fresh.elementwise) merged.insert(r.op);
+  }
+  if (!fresh.copy.empty()) {
+    replace(base.copy, fresh.copy, [](const BandwidthPoint& r) { return r.op; });
+    merged.insert("copies");
+  }
+  if (!fresh.gemm.empty()) {
+    replace(base.gemm, fresh.gemm, [](const GemmPoint& r) { return std::make_pair(int(r.dtype), int(r.pass)); });
+    merged.insert("gemm");
+  }
+  if (!fresh.attention.empty()) {
+    replace(base.attention, fresh.attention, [](const AttentionPoint& r) { return std::make_pair(r.kernel, int(r.dtype)); });
+    merged.insert("attention");
+  }
+  if (!fresh.collectives.empty()) {
+    replace(base.collectives, fresh.collectives, [](const CollectivePoint& r) { return r.collective; });
+    merged.insert("collectives");
+  }
+  std::string what;
+  for (const auto& m : merged) what += (what.empty() ? "" : ", ") + m;
+  base.metadata.notes.push_back("merged " + fresh.metadata.date + " (" + fresh.metadata.tool + "): rows of " +
+                                (what.empty() ? std::string("nothing") : what));
+  for (const auto& n : fresh.metadata.notes) base.metadata.notes.push_back("merged run: " + n);
+  return base;
 }
 
 }  // namespace dssim

@@ -91,6 +91,13 @@ struct BandwidthPoint {       // memory-bound kernels and copies
   //   cross_entropy        forward, 16-bit logits [T x V] cast to fp32      bytes = (e + 16) T V
   //   cross_entropy_backward  its backward, cast back to 16-bit included    bytes = (24 + e) T V
   //   embedding_backward   w [V x h], tokens [T], a fresh weight gradient   bytes = 2 e T h + 2 e V h
+  // onebit_step: 1-bit Adam's compressed-phase step on the device, 90 bytes per parameter
+  // (backends/torch/optimizer_kernels.hpp kOnebitStepBytesPerParam16), dtype as optimizer_step.
+  // MoE (backends/torch/moe.cpp's functions; E experts, C capacity, T tokens):
+  //   moe_routing(_backward)  the gate after its inputs: fp32 cast of [T x h], the gate GEMM,
+  //                           softmax, top-k, positions, weights, l_aux    bytes = T h (e + 4) + 32 T E
+  //   moe_dispatch(_backward) tokens into [E C x h] slots                  bytes = 2 e E C h
+  //   moe_combine(_backward)  [E C x h] weighted back to [T x h]           bytes = 2 e E C h
   std::string op;
   Dtype dtype = Dtype::bf16;  // unused for copies
   double bytes = 0;           // bytes read + written (copies: bytes copied)
@@ -155,6 +162,12 @@ std::string resolve_device_profile_path(const std::string& path);
 std::string to_yaml(const DeviceProfile&);
 // A short table for people: per table and kind, rows and the min / median / max rate.
 std::string device_profile_summary(const DeviceProfile&);
+
+// `base` with the rows `fresh` measured put in place of base's of the same kind (elementwise and
+// copy rows by op, GEMM rows by dtype and pass, attention rows by kernel and dtype, collectives by
+// name): `dssim calibrate --only moe --merge profiles/h200.yaml` adds a family without
+// re-measuring the rest. base's metadata stays, with a note naming what was merged and when.
+DeviceProfile merge_device_profile(DeviceProfile base, const DeviceProfile& fresh);
 
 // Which elementwise row family a non-GEMM LayerOp uses: layer_norm, gelu, or add.
 std::string elementwise_family(const std::string& op_name);

@@ -328,9 +328,22 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     const double routed_tokens = moe_routed_slots(m, tokens) / t;
     const double tokens_per_expert = routed_tokens / local_experts;
     ops.push_back(gemm_op("moe_gate", 1, norm_tokens, experts, h, e));
-    ops.push_back(elementwise_op("moe_gate_softmax", norm_tokens * experts, kSoftmaxFlopsPerElement,
-                                 2 * e));
-    ops.push_back(elementwise_op("moe_dispatch", routed_tokens * h, 0, 2 * e));  // scatter to capacity slots
+    // The routing (DeepSpeed's TopKGate after its GEMM: the tokens cast to fp32, softmax, top-k,
+    // capacity positions by cumsum, combine weights, l_aux) and the dispatch / combine copies,
+    // each priced by the device profile's row of that name where measured (dssim calibrate's moe
+    // family, the engine's own functions); byte conventions: routing T h (e + 4) + 32 T E (fp32
+    // [T, E] arrays), dispatch and combine 2 e x slots x h, their backwards likewise.
+    LayerOp routing = elementwise_op("moe_routing", norm_tokens * experts, kSoftmaxFlopsPerElement, 0);
+    routing.memory_bytes = norm_tokens * h * (e + 4) + 32 * norm_tokens * experts;
+    routing.kernel = "moe_routing";
+    routing.backward_kernel = "moe_routing_backward";
+    routing.backward_bytes = routing.memory_bytes;
+    ops.push_back(routing);
+    LayerOp dispatch = elementwise_op("moe_dispatch", routed_tokens * h, 0, 2 * e);  // scatter to capacity slots
+    dispatch.kernel = "moe_dispatch";
+    dispatch.backward_kernel = "moe_dispatch_backward";
+    dispatch.backward_bytes = dispatch.memory_bytes;
+    ops.push_back(dispatch);
     if (m.swiglu) {
       ops.push_back(gemm_op("mlp_gate", local_experts, tokens_per_expert, f, h, e));
       ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
@@ -343,7 +356,11 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
       ops.push_back(gelu);
     }
     ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
-    ops.push_back(elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e));  // weighted gather back
+    LayerOp combine = elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e);  // weighted gather back
+    combine.kernel = "moe_combine";
+    combine.backward_kernel = "moe_combine_backward";
+    combine.backward_bytes = combine.memory_bytes;
+    ops.push_back(combine);
   }
   ops.push_back(dropout_residual_op("dropout_residual_2", norm_tokens, h, e, m.has_dropout()));
   // Bias gradients of qkv (3h/t), the projection (h), mlp_up (f/t; + mlp_gate f/t), mlp_down (h),

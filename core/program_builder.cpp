@@ -53,6 +53,9 @@ constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 // 28), clear the fp32 gradients (4), write the g-byte copy from the fp32 master (4 + g).
 constexpr double kAdamFlopsPerParam = 16;
 double device_step_bytes_per_param(int g) { return (2.0 * g + 8) + 28 + 4 + (4 + g); }
+// 1-bit Adam's compressed-phase step (backends/torch/optimizer_kernels.hpp): the fold, the momentum
+// update (20), the clear, the frozen-variance update in five passes (48), the publish.
+double onebit_step_bytes_per_param(int g) { return (2.0 * g + 8) + 20 + 4 + 48 + (4 + g); }
 // ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): the AdamW pass on host fp32
 // tensors (28), clearing the fp32 gradients (4) and writing the g-byte copy for the device in the
 // same pass.
@@ -216,8 +219,7 @@ class Builder {
     // over the TP group (drop_tokens). Without dropping the capacity is the busiest expert's load,
     // known at run time only: priced as top_k x capacity_factor slots per token.
     a2a_bytes_ = moe_routed_slots(m_, double(b_) * m_.seq_len) * m_.hidden * g_ / t_;
-    onebit_ = sc.optimizer.kind == OptimizerKind::onebit_adam && zero_ == 0 &&
-              sc.optimizer.step >= sc.optimizer.freeze_step;
+    onebit_ = sc.optimizer.onebit_compressed(zero_);
     vs_layers_ = virtual_stage_layers(sc);
     vs_first_layer_.resize(vs_layers_.size() + 1, 0);
     for (size_t i = 0; i < vs_layers_.size(); ++i) vs_first_layer_[i + 1] = vs_first_layer_[i] + vs_layers_[i];
@@ -1172,7 +1174,8 @@ class Builder {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
       const double fold = zero_ == 3 ? 2.0 * g_ + 8 : 0.0;  // done in backward (op_list)
-      o.memory_bytes = shard * (device_step_bytes_per_param(g_) - fold + norm_and_unscale_bytes_per_param());
+      const double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_) : device_step_bytes_per_param(g_);
+      o.memory_bytes = shard * (step_bytes - fold + norm_and_unscale_bytes_per_param());
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

@@ -151,6 +151,10 @@ struct OptimizerSpec {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   int64_t freeze_step = 0;           // 1-bit Adam: warm-up steps with full-precision Adam
   int64_t step = 0;                  // which training step to report (1-bit Adam compresses after freeze_step)
+  // The reported step is in 1-bit Adam's compressed phase (ZeRO-0 only, as DeepSpeed's OnebitAdam).
+  bool onebit_compressed(int zero_stage) const {
+    return kind == OptimizerKind::onebit_adam && zero_stage == 0 && step >= freeze_step;
+  }
 };
 const char* to_string(OptimizerKind);
 

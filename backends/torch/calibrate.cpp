@@ -1,4 +1,6 @@
 #include "backends/torch/calibrate.hpp"
+#include "backends/torch/moe.hpp"
+#include "backends/torch/onebit_adam.hpp"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -147,6 +149,8 @@ struct Grid {
   std::vector<int64_t> bwd_hidden, bwd_tokens;
   std::vector<int64_t> ce_tokens, ce_vocab;
   std::vector<int64_t> emb_vocab, emb_hidden, emb_tokens;
+  // MoE routing / dispatch / combine: tokens per micro-batch and rank, hidden, experts.
+  std::vector<int64_t> moe_tokens, moe_hidden, moe_experts;
 };
 
 Grid grid(bool cuda, bool quick) {
@@ -170,6 +174,9 @@ Grid grid(bool cuda, bool quick) {
     g.emb_vocab = {1024};
     g.emb_hidden = {64, 256};
     g.emb_tokens = {32, 256};
+    g.moe_tokens = {64, 256};
+    g.moe_hidden = {64};
+    g.moe_experts = {4};
   } else if (cuda) {
     // Issue 4's ranges: hidden 1024-16384, tokens 512-16384, TP 1-8 (about 550 distinct GEMMs).
     g.hidden = {1024, 2048, 4096, 6144, 8192, 12288, 16384};
@@ -196,6 +203,9 @@ Grid grid(bool cuda, bool quick) {
     g.emb_vocab = {51200};
     g.emb_hidden = {1024, 2048, 4096};
     g.emb_tokens = {4096, 16384};
+    g.moe_tokens = {4096, 16384, 32768};
+    g.moe_hidden = {1024, 4096};
+    g.moe_experts = {8, 64};
   } else {  // a full CPU calibration: small transformer sizes
     g.hidden = {256, 512, 1024, 2048};
     g.tokens = {128, 512, 2048};
@@ -213,6 +223,9 @@ Grid grid(bool cuda, bool quick) {
     g.emb_vocab = {8192};
     g.emb_hidden = {256, 1024};
     g.emb_tokens = {512, 2048};
+    g.moe_tokens = {512, 2048};
+    g.moe_hidden = {256};
+    g.moe_experts = {8};
   }
   return g;
 }
@@ -583,6 +596,68 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
   }
 }
 
+// MoE's memory-bound work as the engine runs it (backends/torch/moe.cpp): the gate after the
+// token cast (moe_gate: fp32 logits, softmax, top-2 with capacity factor 1.25, positions, weights,
+// l_aux), the dispatch into [E C x h] slots and the combine back, each forward and (autograd,
+// (forward + backward) - forward) backward. Rows moe_routing(_backward), moe_dispatch(_backward),
+// moe_combine(_backward); byte conventions in core/device_profile.hpp.
+void measure_moe(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
+  const double budget = o.seconds_per_point / 2;
+  for (Dtype dtype : o.dtypes) {
+    const auto t0 = Clock::now();
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    const double e = bytes_of(dtype);
+    int rows = 0;
+    try {
+      at::AutoGradMode enable_grad(true);
+      for (int64_t tokens : g.moe_tokens)
+        for (int64_t h : g.moe_hidden)
+          for (int64_t experts : g.moe_experts) {
+            ModelSpec m;
+            m.hidden = int(h);
+            m.experts = int(experts);
+            m.top_k = 2;
+            m.capacity_factor = 1.25;
+            at::Tensor x = at::randn({tokens, h}, opts).requires_grad_(true);
+            at::Tensor w = (at::randn({experts, h}, opts) * 0.02).requires_grad_(true);
+            at::Generator gen = seeded_generator(dev, 1234);
+            const double routing_bytes = double(tokens) * h * (e + 4) + 32.0 * double(tokens) * experts;
+            const auto route = autograd_seconds(
+                timer, [&] { (void)moe_gate(x, w, m, gen); },
+                [&] {
+                  Routing r = moe_gate(x, w, m, gen);
+                  (void)torch::autograd::grad({r.weight.sum() + r.l_aux}, {x, w});
+                },
+                budget);
+            add_bandwidth_row(p, "moe_routing", dtype, routing_bytes, route.forward);
+            add_bandwidth_row(p, "moe_routing_backward", dtype, routing_bytes, route.backward);
+            const Routing r = [&] {
+              at::NoGradGuard ng;
+              return moe_gate(x.detach(), w.detach(), m, gen);
+            }();
+            const double slots = double(experts) * double(r.capacity);
+            const double copy_bytes = 2 * e * slots * h;
+            at::Tensor back = at::randn({int64_t(slots), h}, opts).requires_grad_(true);
+            const auto dispatch = autograd_seconds(
+                timer, [&] { (void)moe_dispatch(x, r, experts); },
+                [&] { (void)torch::autograd::grad({moe_dispatch(x, r, experts).sum()}, {x}); }, budget);
+            const auto combine = autograd_seconds(
+                timer, [&] { (void)moe_combine(back, r); },
+                [&] { (void)torch::autograd::grad({moe_combine(back, r).sum()}, {back}); }, budget);
+            add_bandwidth_row(p, "moe_dispatch", dtype, copy_bytes, dispatch.forward);
+            add_bandwidth_row(p, "moe_dispatch_backward", dtype, copy_bytes, dispatch.backward);
+            add_bandwidth_row(p, "moe_combine", dtype, copy_bytes, combine.forward);
+            add_bandwidth_row(p, "moe_combine_backward", dtype, copy_bytes, combine.backward);
+            rows += 6;
+          }
+    } catch (const std::exception& err) {
+      p.metadata.notes.push_back("moe " + std::string(to_string(dtype)) + ": not (fully) measured: " + first_line(err.what()));
+    }
+    say(o, "moe " + std::string(to_string(dtype)) + ": " + std::to_string(rows) +
+               " rows of routing, dispatch and combine, forward and backward (" + fmt(seconds_since(t0), "s") + ")");
+  }
+}
+
 // The engine's optimizer step, per parameter of a flat shard (backends/torch/optimizer_kernels.hpp):
 // fold g32 += g16, g16 = 0; fused AdamW (adamw_step with a step tensor); g32 = 0; publish
 // p16 = p32. Rows `optimizer_step`, bytes = kStepBytesPerParam16 (50) x N. The 16-bit dtype is
@@ -599,7 +674,7 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
     const auto t0 = Clock::now();
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
     const auto f16 = f32.dtype(scalar_type(dtype));
-    double best = 0;
+    double best = 0, onebit_best = 0;
     for (int64_t n : g.optimizer) {
       at::Tensor p32 = at::randn({n}, f32), g32 = at::zeros({n}, f32), m = at::zeros({n}, f32), v = at::zeros({n}, f32);
       at::Tensor p16 = at::empty({n}, f16), g16 = at::zeros({n}, f16);
@@ -613,11 +688,24 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
         p16.copy_(p32); // publish
       }, o.seconds_per_point);
       best = std::max(best, add_bandwidth_row(p, "optimizer_step", dtype, kStepBytesPerParam16 * double(n), sec));
+      // 1-bit Adam's compressed-phase step, as the engine runs it on one rank.
+      OnebitAdam onebit(n, nullptr, 1, f32);
+      const double one = timer.measure([&] {
+        g32.add_(g16);
+        g16.zero_();
+        onebit.update_momentum(m, g32, h.beta1);
+        g32.zero_();
+        onebit.step(p32, m, v, ++step, h);
+        p16.copy_(p32);
+      }, o.seconds_per_point);
+      onebit_best = std::max(onebit_best, add_bandwidth_row(p, "onebit_step", dtype, kOnebitStepBytesPerParam16 * double(n), one));
     }
     say(o, "optimizer step " + std::string(to_string(dtype)) + " (fold + fused AdamW + clear + publish, " +
                fmt(kStepBytesPerParam16, "bytes/param") + "): " + std::to_string(g.optimizer.size()) + " sizes up to " +
                fmt(double(g.optimizer.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
-               fmt(best / kStepBytesPerParam16 / 1e9, "Gparam/s") + " (" + fmt(seconds_since(t0), "s") + ")");
+               fmt(best / kStepBytesPerParam16 / 1e9, "Gparam/s") + "; 1-bit Adam's step (" +
+               fmt(kOnebitStepBytesPerParam16, "bytes/param") + ") best " + fmt(onebit_best / 1e9, "GB/s") + " (" +
+               fmt(seconds_since(t0), "s") + ")");
   }
 }
 
@@ -851,15 +939,23 @@ DeviceProfile calibrate(const CalibrateOptions& in) {
   Timer timer(dev);
   const Grid g = grid(cuda, o.quick);
   const auto t0 = Clock::now();
-  measure_gemms(o, g, dev, timer, p);
-  measure_attention(o, g, dev, timer, p);
-  measure_attention_backward(o, g, dev, timer, p);
-  measure_elementwise(o, g, dev, timer, p);
-  measure_backward_kernels(o, g, dev, timer, p);
-  measure_optimizer_step(o, g, dev, timer, p);
-  measure_host_adamw(o, g, dev, p, cpu_name());
-  measure_copies(o, g, dev, timer, p);
-  if (!cuda || ngpus < 2 || !o.collectives) {
+  const auto want = [&](const char* family) {
+    return o.only.empty() || std::find(o.only.begin(), o.only.end(), family) != o.only.end();
+  };
+  if (want("gemm")) measure_gemms(o, g, dev, timer, p);
+  if (want("attention")) {
+    measure_attention(o, g, dev, timer, p);
+    measure_attention_backward(o, g, dev, timer, p);
+  }
+  if (want("elementwise")) measure_elementwise(o, g, dev, timer, p);
+  if (want("backward")) measure_backward_kernels(o, g, dev, timer, p);
+  if (want("moe")) measure_moe(o, g, dev, timer, p);
+  if (want("optimizer")) measure_optimizer_step(o, g, dev, timer, p);
+  if (want("host")) measure_host_adamw(o, g, dev, p, cpu_name());
+  if (want("copies")) measure_copies(o, g, dev, timer, p);
+  if (!want("collectives")) {
+    // not asked for
+  } else if (!cuda || ngpus < 2 || !o.collectives) {
     const std::string why = !cuda ? "cpu backend" : ngpus < 2 ? "one GPU visible" : "--no-collectives";
     md.notes.push_back("collectives: not measured (" + why + ")");
     say(o, "collectives: skipped (" + why + ")");

@@ -167,6 +167,44 @@ at::Tensor ExpertParallel::all_to_all(const at::Tensor& x, Purpose p) {
   return out.to(x.scalar_type());
 }
 
+namespace {
+// Each assignment's row in the dispatch buffer: expert x capacity + slot, dropped ones the spare
+// row past the end ([T x k]).
+at::Tensor dispatch_rows(const Routing& r, int64_t experts) {
+  const int64_t C = r.capacity;
+  return at::where(r.slot >= 0, r.expert * C + r.slot, at::full({}, experts * C, r.slot.options())).reshape({-1});
+}
+}  // namespace
+
+Routing moe_gate(const at::Tensor& tokens, const at::Tensor& gate_w, const ModelSpec& m, at::Generator& gen,
+                 const std::function<int64_t(int64_t)>& max_over_group) {
+  at::Tensor gin = tokens.to(at::kFloat);
+  if (m.noisy_gate_policy == ModelSpec::NoisyGate::jitter) {  // multiplicative_jitter, epsilon 1e-2
+    auto j = at::empty_like(gin);
+    j.uniform_(1.0 - 1e-2, 1.0 + 1e-2, gen);
+    gin = gin * j;
+  }
+  return top_k_gating(at::linear(gin, gate_w.to(at::kFloat)), m, gen, max_over_group);
+}
+
+at::Tensor moe_dispatch(const at::Tensor& tokens, const Routing& r, int64_t experts) {
+  const int64_t T = tokens.size(0), h = tokens.size(1), k = r.expert.size(1), C = r.capacity;
+  const auto dest = dispatch_rows(r, experts);
+  const auto token = at::div(at::arange(T * k, dest.options()), k, "floor");
+  return at::zeros({experts * C + 1, h}, tokens.options())
+      .index_copy(0, dest, tokens.index_select(0, token))
+      .narrow(0, 0, experts * C);
+}
+
+at::Tensor moe_combine(const at::Tensor& expert_out, const Routing& r) {
+  const int64_t T = r.expert.size(0), k = r.expert.size(1), h = expert_out.size(1);
+  const int64_t experts = expert_out.size(0) / r.capacity;
+  const auto dest = dispatch_rows(r, experts);
+  const auto padded = at::cat({expert_out, at::zeros({1, h}, expert_out.options())});  // the spare row: zero
+  const auto w = r.weight.to(expert_out.scalar_type()).unsqueeze(2);  // [T, k, 1]
+  return (padded.index_select(0, dest).view({T, k, h}) * w).sum(1);
+}
+
 at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tensor& x) {
   const ModelSpec& m = *L.model;
   const int64_t B = x.size(0), S = x.size(1), h = x.size(2), T = B * S, E = m.experts, k = m.top_k;
@@ -174,26 +212,15 @@ at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tens
   if (int64_t(L.experts.size()) != local) throw std::logic_error("moe: local expert count");
   auto tokens = x.reshape({T, h});
   at::Generator gen = seeded_generator(x.device(), L.seed);
-  at::Tensor gin = tokens.to(at::kFloat);
-  if (m.noisy_gate_policy == ModelSpec::NoisyGate::jitter) {  // multiplicative_jitter, epsilon 1e-2
-    auto j = at::empty_like(gin);
-    j.uniform_(1.0 - 1e-2, 1.0 + 1e-2, gen);
-    gin = gin * j;
-  }
-  const auto logits = at::linear(gin, gate_w.to(at::kFloat));
   const auto max_over_group = [&](int64_t v) {
     if (!L.ep->comm) return v;
     auto t = at::full({1}, double(v), at::TensorOptions().dtype(at::kFloat).device(x.device()));
     L.ep->comm->allreduce_max(t, Purpose::None)->wait();
     return int64_t(std::llround(t.item<double>()));
   };
-  Routing r = top_k_gating(logits, m, gen, max_over_group);
+  Routing r = moe_gate(tokens, gate_w, m, gen, max_over_group);
   const int64_t C = r.capacity;
-  // Dispatch: every assignment's token into its expert's slot of [E, C, h]; dropped ones into a
-  // spare row past the end, cut off (no data-dependent shapes: no host synchronisation).
-  const auto dest = at::where(r.slot >= 0, r.expert * C + r.slot, at::full({}, E * C, r.slot.options())).reshape({-1});
-  const auto token = at::div(at::arange(T * k, dest.options()), k, "floor");
-  auto dispatched = at::zeros({E * C + 1, h}, x.options()).index_copy(0, dest, tokens.index_select(0, token)).narrow(0, 0, E * C);
+  auto dispatched = moe_dispatch(tokens, r, E);
   // Rank j receives experts [j local, (j + 1) local) of every rank: [source rank, local expert, C, h].
   auto received = exchange(*L.ep, dispatched, Purpose::MoEDispatch).view({ep, local, C, h});
   std::vector<at::Tensor> outs;
@@ -206,11 +233,7 @@ at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tens
   }
   auto expert_out = at::stack(outs, 1).reshape({E * C, h});
   auto back = exchange(*L.ep, expert_out, Purpose::MoECombine);  // [E, C, h] for this rank's tokens
-  // Combine: each token's k expert outputs weighted by its gates (0 for a dropped assignment,
-  // which reads the spare zero row).
-  const auto padded = at::cat({back, at::zeros({1, h}, back.options())});
-  const auto w = r.weight.to(x.scalar_type()).unsqueeze(2);  // [T, k, 1]
-  auto out = (padded.index_select(0, dest).view({T, k, h}) * w).sum(1);
+  auto out = moe_combine(back, r);
   L.l_aux = r.l_aux;
   L.tokens = T;
   L.assignments = T * k;

@@ -83,6 +83,17 @@ struct MoeLayer {
   int64_t tokens = 0, assignments = 0, capacity = 0;
 };
 
+// The gate of tokens [T, h] with W_g [experts, h]: fp32 logits of the (jittered) tokens, routed.
+Routing moe_gate(const at::Tensor& tokens, const at::Tensor& gate_w, const ModelSpec& m, at::Generator& gen,
+                 const std::function<int64_t(int64_t)>& max_over_group = {});
+
+// The dispatch buffer [experts x capacity, h] of tokens [T, h] (each kept assignment's token in
+// its expert's slot, the rest zero), and the combine of the experts' outputs [experts x capacity,
+// h] back to [T, h] (each token's kept outputs weighted by its gates). Both differentiable, no
+// data-dependent shapes (no host synchronisation).
+at::Tensor moe_dispatch(const at::Tensor& tokens, const Routing& r, int64_t experts);
+at::Tensor moe_combine(const at::Tensor& expert_out, const Routing& r);
+
 // The MoE MLP of normalised activations x [B, S, h] -> [B, S, h].
 at::Tensor moe_mlp_forward(MoeLayer& layer, const at::Tensor& gate_w, const at::Tensor& x);
 

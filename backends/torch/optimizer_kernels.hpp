@@ -23,6 +23,14 @@ constexpr double kFoldBytesPerParam16 = 12, kAdamWBytesPerParam = 28, kClearByte
                  kPublishBytesPerParam16 = 6;
 constexpr double kStepBytesPerParam16 =
     kFoldBytesPerParam16 + kAdamWBytesPerParam + kClearBytesPerParam + kPublishBytesPerParam16;
+// 1-bit Adam's step in its compressed phase (backends/torch/onebit_adam.cpp, frozen variance), as
+// the engine runs it on one rank: fold (12), momentum m = b1 m + (1 - b1) g (mul_ and add_: read
+// 4 + 4 + 4, write 4 + 4 = 20), clear g32 (4), the update p = p (1 - lr wd) - lr / bc1 m /
+// (sqrt(v) / sqrt(bc2) + eps) in five passes (p.mul_ 8, sqrt 8, scale 8, add eps 8, addcdiv_ 16:
+// 48), publish (6): the profile's `onebit_step` rows (core/program_builder.cpp counts the same).
+constexpr double kOnebitMomentumBytesPerParam = 20, kOnebitUpdateBytesPerParam = 48;
+constexpr double kOnebitStepBytesPerParam16 = kFoldBytesPerParam16 + kOnebitMomentumBytesPerParam +
+                                              kClearBytesPerParam + kOnebitUpdateBytesPerParam + kPublishBytesPerParam16;
 // The offloaded step on the host (host_step_and_publish), per parameter: the AdamW pass, the
 // gradient buffer's clear in the same pass, and the 16-bit copy written for the device
 // (core/program_builder.cpp's host_step_bytes_per_param; the profile's `host_adamw` rows).

@@ -613,3 +613,38 @@ TEST_CASE("elementwise rows of equal bytes count as one point at the geometric m
   std::swap(p.elementwise[1], p.elementwise[2]);
   CHECK(*p.elementwise_bytes_per_second("bias_grad", Dtype::bf16, 1.0e8) == Approx(2.0e12).epsilon(1e-12));
 }
+
+TEST_CASE("merging a calibration into a profile replaces only the kinds of rows it measured", "[profile]") {
+  const DeviceProfile base = parse_device_profile(kProfile, "h.yaml");
+  DeviceProfile fresh;
+  fresh.metadata = base.metadata;
+  fresh.metadata.date = "2026-12-03T00:00:00Z";
+  fresh.metadata.tool = "dssim calibrate --only moe";
+  BandwidthPoint r;
+  r.op = "moe_dispatch";
+  r.bytes = 1e8;
+  r.bytes_per_second = 5e11;
+  fresh.elementwise.push_back(r);
+  r.op = "layer_norm";  // a re-measured family replaces its old rows
+  r.bytes_per_second = 2e12;
+  fresh.elementwise.push_back(r);
+  const DeviceProfile m = merge_device_profile(base, fresh);
+  CHECK(m.gemm.size() == base.gemm.size());
+  CHECK(m.attention.size() == base.attention.size());
+  CHECK(m.copy.size() == base.copy.size());
+  CHECK(m.collectives.size() == base.collectives.size());
+  int adds = 0, norms = 0, moe = 0, others = 0;
+  for (const auto& e : m.elementwise)
+    (e.op == "add" ? adds : e.op == "layer_norm" ? norms : e.op == "moe_dispatch" ? moe : others)++;
+  CHECK(others == 0);
+  CHECK(adds == 2);
+  CHECK(norms == 1);
+  CHECK(moe == 1);
+  CHECK(m.metadata.date == base.metadata.date);
+  REQUIRE(!m.metadata.notes.empty());
+  CHECK_THAT(m.metadata.notes.back(), Catch::Contains("moe_dispatch"));
+  CHECK(*m.elementwise_bytes_per_second("moe_dispatch", Dtype::bf16, 1e8) == Approx(5e11));
+  DeviceProfile other = fresh;
+  other.metadata.gpu = "Another GPU";
+  CHECK_THROWS_WITH(merge_device_profile(base, other), Catch::Contains("Another GPU"));
+}

@@ -458,9 +458,18 @@ TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload 
     sc.optimizer.kind = OptimizerKind::onebit_adam;
     sc.optimizer.freeze_step = 10;
     sc.optimizer.step = 5;
-    CHECK(count(build_program(sc).ranks[0], Op::AllReduce) > 0);
+    const Program warm = build_program(sc);
+    CHECK(count(warm.ranks[0], Op::AllReduce) > 0);
     sc.optimizer.step = 10;
     const Program p = build_program(sc);
+    // The compressed phase's step: 90 bytes per parameter (momentum update and a five-pass
+    // frozen-variance update) against AdamW's fused 50, bf16 (optimizer_kernels.hpp).
+    const auto step_bytes = [](const Program& q) {
+      for (const Instruction& in : q.ranks[0].instructions)
+        if (in.op == Op::OptimizerStep) return in.memory_bytes;
+      return 0.0;
+    };
+    CHECK(step_bytes(p) - step_bytes(warm) == Approx(40.0 * parameter_count(sc.model)));
     check_program(p);
     const RankProgram& rp = p.ranks[0];
     CHECK(count(rp, Op::AllReduce) == 0);
