@@ -126,6 +126,18 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
   return std::max(memory, compute) + g.kernel_launch;
 }
 
+double DeviceModel::collective_local_seconds(const Instruction& inst) const {
+  if (inst.memory_bytes <= 0) return 0;
+  const char* row = inst.purpose == Purpose::OneBitSigns    ? "onebit_worker"
+                    : inst.purpose == Purpose::OneBitServer ? "onebit_server"
+                                                            : "onebit_decompress";
+  if (profile_)
+    if (auto bw = profile_->elementwise_bytes_per_second(row, Dtype::fp32, inst.memory_bytes))
+      return inst.memory_bytes / *bw;
+  const GpuSpec& g = cluster_.gpu;
+  return inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency) + g.kernel_launch;
+}
+
 double DeviceModel::backward_gemm_seconds(const LayerOp& op) const {
   if (profile_ && !op.attention_core)
     if (auto t = profile_->backward_gemm_seconds(op, dtype_)) return *t;

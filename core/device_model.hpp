@@ -33,6 +33,9 @@ class DeviceModel {
   double host_seconds(const Instruction& inst) const;
   // PCIe copy (CopyH2D / CopyD2H).
   double copy_seconds(const Instruction& inst) const;
+  // A collective's local work before it sends (Instruction::memory_bytes; 1-bit Adam's compression
+  // at the profile's onebit_* rows, else the HBM roofline); 0 for plain collectives.
+  double collective_local_seconds(const Instruction& inst) const;
 
   double peak_flops() const { return peak_; }
   const ClusterSpec& cluster() const { return cluster_; }

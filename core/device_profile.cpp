@@ -218,7 +218,8 @@ const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "
                                                   "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
                                                   "cross_entropy_backward", "embedding_backward", "attention_layout_copies",
                                                   "host_accumulate", "moe_routing", "moe_routing_backward", "moe_dispatch",
-                                                  "moe_dispatch_backward", "moe_combine", "moe_combine_backward", "onebit_step"};
+                                                  "moe_dispatch_backward", "moe_combine", "moe_combine_backward", "onebit_step",
+                                                  "onebit_worker", "onebit_server", "onebit_decompress"};
 // Elementwise families that stand in for one another (gelu / layer_norm -> add); the optimizer
 // rows and the backward-pass kernels (layer_norm_backward ... embedding_backward) have their own
 // byte conventions and no stand-in.

@@ -93,6 +93,8 @@ struct BandwidthPoint {       // memory-bound kernels and copies
   //   embedding_backward   w [V x h], tokens [T], a fresh weight gradient   bytes = 2 e T h + 2 e V h
   // onebit_step: 1-bit Adam's compressed-phase step on the device, 90 bytes per parameter
   // (backends/torch/optimizer_kernels.hpp kOnebitStepBytesPerParam16), dtype as optimizer_step.
+  // onebit_worker / onebit_server / onebit_decompress: 1-bit Adam's compression around its
+  // collectives, fp32, bytes = 84 / 40 / 40 per element of the padded momentum (core/program.hpp).
   // MoE (backends/torch/moe.cpp's functions; E experts, C capacity, T tokens):
   //   moe_routing(_backward)  the gate after its inputs: fp32 cast of [T x h], the gate GEMM,
   //                           softmax, top-k, positions, weights, l_aux    bytes = T h (e + 4) + 32 T E

@@ -53,7 +53,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
         if (it == collective_cache.end())
           it = collective_cache.emplace(key, collective_seconds(sc.cluster, in.op, in.bytes,
                                                                 program.groups.at(in.group).ranks)).first;
-        t = it->second;
+        t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
       } else if (in.op == Op::Send || in.op == Op::Recv) {
         const int me = rp.rank;
         t = in.op == Op::Send ? p2p_seconds(sc.cluster, in.bytes, me, in.peer)

@@ -28,6 +28,13 @@ enum class Op : uint8_t {
   CopyH2D, CopyD2H,
 };
 const char* to_string(Op);
+// 1-bit Adam's local work around its collectives, HBM bytes per element of the padded momentum
+// (backends/torch/onebit_adam.cpp as it runs; the device profile's onebit_worker / onebit_server
+// / onebit_decompress rows are bytes/s over these): the worker's compensate, scale, sign, error
+// and packing before its all-to-all; the server's unpacking of every rank's signs, weighted sum
+// and its own compression before its all-gather; the decompression after the last all-gather.
+constexpr double kOnebitWorkerBytesPerElement = 84, kOnebitServerBytesPerElement = 40,
+                 kOnebitDecompressBytesPerElement = 40;
 bool is_compute(Op);
 bool is_collective(Op);
 
@@ -85,7 +92,8 @@ struct Instruction {
   // all-to-all: the whole send buffer; send/recv/copy: the message.
   double flops = 0;
   double bytes = 0;
-  double memory_bytes = 0;   // HBM traffic of a compute instruction (roofline)
+  double memory_bytes = 0;   // HBM traffic of a compute instruction (roofline); of a collective:
+                             // the local work it does before sending (1-bit Adam's compression)
   double gemm_flops = 0;     // part of `flops` done in GEMMs (the rest: attention, elementwise)
   int32_t ops = -1;          // compute: index into Program::op_lists, the kernels this instruction runs
   uint32_t deps_begin = 0;   // into RankProgram::deps

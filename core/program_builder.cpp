@@ -1144,16 +1144,18 @@ class Builder {
         const double numel = double(expert ? plan.expert.numel : plan.dense.numel);
         const double unit = double(n_ranks) * (8.0 * n_ranks / std::gcd(n_ranks, 8));
         const double n = std::ceil(numel / unit) * unit;
-        const std::tuple<Op, Purpose, double> phases[] = {
-            {Op::AllToAll, Purpose::OneBitSigns, n / 8},
-            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks},
-            {Op::AllGather, Purpose::OneBitServer, n / 8},
-            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks},
+        // Each phase with the local work before it (the decompression rides on the last one).
+        const std::tuple<Op, Purpose, double, double> phases[] = {
+            {Op::AllToAll, Purpose::OneBitSigns, n / 8, kOnebitWorkerBytesPerElement * n},
+            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks, 0.0},
+            {Op::AllGather, Purpose::OneBitServer, n / 8, kOnebitServerBytesPerElement * n},
+            {Op::AllGather, Purpose::OneBitScales, 4.0 * n_ranks, kOnebitDecompressBytesPerElement * n},
         };
-        for (const auto& [op, pu, bytes] : phases) {
+        for (const auto& [op, pu, bytes, local] : phases) {
           Instruction in = make(op, Stream::DpComm, pu);
           in.group = grp;
           in.bytes = bytes;
+          in.memory_bytes = local;
           x.last_reduce = add(x, in, {x.last_compute});
         }
       }

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <unordered_map>
 #include <simgrid/s4u.hpp>
+#include "core/device_model.hpp"
 #include <simgrid/kernel/routing/NetPoint.hpp>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -77,7 +78,7 @@ class Simulation {
  public:
   Simulation(const Scenario& sc, const Program& program, const std::vector<VirtualRank>& vranks,
              const std::vector<std::vector<double>>& seconds, const ExecOptions& opts)
-      : sc_(sc), program_(program), vranks_(vranks), seconds_(seconds), opts_(opts) {}
+      : sc_(sc), program_(program), vranks_(vranks), seconds_(seconds), opts_(opts), device_(sc) {}
 
   ExecResult run();
 
@@ -98,6 +99,9 @@ class Simulation {
 
   const Scenario& sc_;
   const Program& program_;
+  // A collective's local work before it sends (1-bit Adam's compression): each member arrives
+  // that much later; the closed-form durations in seconds_ include it already.
+  DeviceModel device_;
   const std::vector<VirtualRank>& vranks_;
   const std::vector<std::vector<double>>& seconds_;
   const ExecOptions& opts_;
@@ -244,7 +248,8 @@ void Simulation::start(int v, uint32_t i, double ready) {
     const uint64_t key = (uint64_t(uint32_t(g)) << 32) | coll_seq_[vr.program_index][i];
     Rendezvous& rv = rendezvous_[key];
     rv.arrived++;
-    rv.ready = std::max(rv.ready, ready);
+    const double local = device_.collective_local_seconds(in) * repeat;
+    rv.ready = std::max(rv.ready, ready + local);
     rv.members.emplace_back(v, i);
     if (rv.arrived < materialized_[g]) return;
     Rendezvous done = std::move(rv);
@@ -260,7 +265,8 @@ void Simulation::start(int v, uint32_t i, double ready) {
     if (plan->closed_form) {
       const double wire = wire_bytes_per_rank(in.op, in.bytes, static_cast<int>(ranks.size())) * repeat;
       for (auto& [mv, mi] : done.members) {
-        timer(mv, mi, done.ready + seconds_[vranks_[mv].program_index][mi]);
+        const double local = device_.collective_local_seconds(inst(mv, mi)) * repeat;  // in done.ready
+        timer(mv, mi, done.ready + seconds_[vranks_[mv].program_index][mi] - local);
         if (wire > 0 && planner_->is_closed_form(in.op, ranks) && ranks.size() > 1) {
           link_bytes_[link_index_[platform_->nvlink_up(vranks_[mv].rank)]] += wire;
           link_bytes_[link_index_[platform_->nvlink_down(vranks_[mv].rank)]] += wire;

@@ -699,6 +699,19 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
         p16.copy_(p32);
       }, o.seconds_per_point);
       onebit_best = std::max(onebit_best, add_bandwidth_row(p, "onebit_step", dtype, kOnebitStepBytesPerParam16 * double(n), one));
+      if (dtype == half.front()) {  // its compression (fp32, once): the local work of the collectives
+        const double pn = double(onebit.padded_numel());
+        at::Tensor scale, server_scale;
+        const at::Tensor scales = at::ones({1}, f32);
+        at::Tensor packed = onebit.compress_worker(m, scale);
+        const double w = timer.measure([&] { packed = onebit.compress_worker(m, scale); }, o.seconds_per_point);
+        at::Tensor spacked;
+        const double sv = timer.measure([&] { spacked = onebit.compress_server(packed, scales, server_scale); }, o.seconds_per_point);
+        const double d = timer.measure([&] { onebit.decompress(packed, scales, m); }, o.seconds_per_point);
+        add_bandwidth_row(p, "onebit_worker", Dtype::fp32, kOnebitWorkerBytesPerElement * pn, w);
+        add_bandwidth_row(p, "onebit_server", Dtype::fp32, kOnebitServerBytesPerElement * pn, sv);
+        add_bandwidth_row(p, "onebit_decompress", Dtype::fp32, kOnebitDecompressBytesPerElement * pn, d);
+      }
     }
     say(o, "optimizer step " + std::string(to_string(dtype)) + " (fold + fused AdamW + clear + publish, " +
                fmt(kStepBytesPerParam16, "bytes/param") + "): " + std::to_string(g.optimizer.size()) + " sizes up to " +

@@ -80,12 +80,8 @@ void OnebitAdam::phase(Op op, Purpose p, double program_bytes, at::Tensor& m) {
   const auto u8 = m.options().dtype(at::kByte);
   switch (next_) {
     case 0: {  // worker side + all-to-all of the packed signs
-      at::Tensor buf = at::zeros({n_}, m.options());
-      buf.narrow(0, 0, numel_).copy_(m.reshape({-1}));
-      buf.add_(worker_error_);
-      const at::Tensor scale = at::norm(buf).div(std::sqrt(double(n_)));
-      worker_error_ = buf - scale * signs_of(buf);
-      const at::Tensor packed = pack_signs(buf);  // chunk r (n / 8N bytes) is rank r's part
+      at::Tensor scale;
+      const at::Tensor packed = compress_worker(m, scale);  // chunk r (n / 8N bytes) is rank r's part
       recv_signs_ = at::empty({n_ / 8}, u8);
       dp_->all_to_all(recv_signs_, packed, p)->wait();
       my_scale_ = scale.reshape({1});
@@ -97,14 +93,8 @@ void OnebitAdam::phase(Op op, Purpose p, double program_bytes, at::Tensor& m) {
       break;
     }
     case 2: {  // server side on this rank's chunk + all-gather of its packed signs
-      at::Tensor c = unpack_signs(recv_signs_)
-                         .view({size_, chunk_})
-                         .mul_(worker_scales_.view({size_, 1}).mul(1.0 / size_))
-                         .sum(0);
-      c.add_(server_error_);
-      const at::Tensor scale = at::norm(c).div(std::sqrt(double(chunk_)));
-      server_error_ = c - scale * signs_of(c);
-      server_packed_ = pack_signs(c);
+      at::Tensor scale;
+      server_packed_ = compress_server(recv_signs_, worker_scales_, scale);
       server_signs_ = at::empty({n_ / 8}, u8);
       dp_->all_gather(server_signs_, server_packed_, p)->wait();
       my_server_scale_ = scale.reshape({1});
@@ -114,14 +104,38 @@ void OnebitAdam::phase(Op op, Purpose p, double program_bytes, at::Tensor& m) {
     case 3: {  // server scales; decompress into m
       server_scales_ = at::empty({size_}, m.options());
       dp_->all_gather(server_scales_, my_server_scale_, p)->wait();
-      const at::Tensor full = unpack_signs(server_signs_).view({size_, chunk_}).mul_(server_scales_.view({size_, 1}));
-      m.view({-1}).copy_(full.view({-1}).narrow(0, 0, numel_));
+      decompress(server_signs_, server_scales_, m);
       server_signs_ = server_packed_ = at::Tensor();
       ready_ = true;
       break;
     }
   }
   next_ = (next_ + 1) % 4;
+}
+
+at::Tensor OnebitAdam::compress_worker(const at::Tensor& m, at::Tensor& scale) {
+  at::NoGradGuard ng;
+  at::Tensor buf = at::zeros({n_}, m.options());
+  buf.narrow(0, 0, numel_).copy_(m.reshape({-1}));
+  buf.add_(worker_error_);
+  scale = at::norm(buf).div(std::sqrt(double(n_)));
+  worker_error_ = buf - scale * signs_of(buf);
+  return pack_signs(buf);
+}
+
+at::Tensor OnebitAdam::compress_server(const at::Tensor& signs, const at::Tensor& scales, at::Tensor& scale) {
+  at::NoGradGuard ng;
+  at::Tensor c = unpack_signs(signs).view({size_, chunk_}).mul_(scales.view({size_, 1}).mul(1.0 / size_)).sum(0);
+  c.add_(server_error_);
+  scale = at::norm(c).div(std::sqrt(double(chunk_)));
+  server_error_ = c - scale * signs_of(c);
+  return pack_signs(c);
+}
+
+void OnebitAdam::decompress(const at::Tensor& signs, const at::Tensor& scales, at::Tensor& m) const {
+  at::NoGradGuard ng;
+  const at::Tensor full = unpack_signs(signs).view({size_, chunk_}).mul_(scales.view({size_, 1}));
+  m.view({-1}).copy_(full.view({-1}).narrow(0, 0, numel_));
 }
 
 void OnebitAdam::step(at::Tensor& p, const at::Tensor& m, const at::Tensor& v, int64_t step, const AdamWHyper& h) {

@@ -63,6 +63,16 @@ class OnebitAdam {
   // freeze_step). Clears momentum_ready().
   void step(at::Tensor& p, const at::Tensor& m, const at::Tensor& v, int64_t step, const AdamWHyper& h);
 
+  // The local work of the phases (what phase() runs around its collectives; dssim calibrate times
+  // them, rows onebit_worker / onebit_server / onebit_decompress at core/program.hpp's bytes):
+  // the worker's x = m + error (padded), its scale and packed signs, error = x - scale sign(x);
+  at::Tensor compress_worker(const at::Tensor& m, at::Tensor& scale);
+  // the server's average of every rank's signs [n / 8] weighted by their scales [N] on its
+  // chunk, plus its error, compressed the same way;
+  at::Tensor compress_server(const at::Tensor& signs, const at::Tensor& scales, at::Tensor& scale);
+  // m from every server's packed signs [n / 8] and scales [N].
+  void decompress(const at::Tensor& signs, const at::Tensor& scales, at::Tensor& m) const;
+
   // The error-feedback state (checkpointed).
   at::Tensor& worker_error() { return worker_error_; }
   at::Tensor& server_error() { return server_error_; }

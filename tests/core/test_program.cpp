@@ -13,6 +13,8 @@
 #include "core/program_builder.hpp"
 #include "core/scenario_loader.hpp"
 #include "core/estimator.hpp"
+#include "core/collective_model.hpp"
+#include "core/device_model.hpp"
 #include "core/report.hpp"
 
 using namespace dssim;
@@ -478,8 +480,16 @@ TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload 
     double signs = 0, server = 0;
     int scales = 0;
     for (const Instruction& in : rp.instructions) {
-      if (in.purpose == Purpose::OneBitSigns) { CHECK(in.op == Op::AllToAll); signs += in.bytes; }
-      if (in.purpose == Purpose::OneBitServer) { CHECK(in.op == Op::AllGather); server += in.bytes; }
+      if (in.purpose == Purpose::OneBitSigns) {
+        CHECK(in.op == Op::AllToAll);
+        signs += in.bytes;
+        CHECK(in.memory_bytes == kOnebitWorkerBytesPerElement * n);  // the compression before it
+      }
+      if (in.purpose == Purpose::OneBitServer) {
+        CHECK(in.op == Op::AllGather);
+        server += in.bytes;
+        CHECK(in.memory_bytes == kOnebitServerBytesPerElement * n);
+      }
       if (in.purpose == Purpose::OneBitScales) ++scales;
     }
     CHECK(signs == Approx(n / 8));
@@ -1036,4 +1046,25 @@ TEST_CASE("report: 1-bit Adam's bytes per iteration before and after freeze_step
   Scenario adam = sc;
   adam.optimizer.kind = OptimizerKind::adamw;
   CHECK(onebit_traffic(adam).uncompressed == 0);
+  // The compressed phase's collectives carry their local work: each one's time is the wire's plus
+  // the compression's (the HBM roofline of its bytes here: the V100 preset has no profile).
+  Scenario c = sc;
+  c.optimizer.step = c.optimizer.freeze_step;
+  const Program p = build_program(c);
+  const auto secs = instruction_seconds(c, p);
+  const DeviceModel dev(c);
+  int with_local = 0;
+  for (size_t i = 0; i < p.ranks[0].instructions.size(); ++i) {
+    const Instruction& in = p.ranks[0].instructions[i];
+    if (!is_collective(in.op) || in.group < 0) continue;
+    const double wire = collective_seconds(c.cluster, in.op, in.bytes, p.groups[in.group].ranks);
+    const double local = dev.collective_local_seconds(in);
+    CHECK(secs[0][i] == Approx((wire + local) * std::max(1, in.repeat)));
+    if (local > 0) {
+      ++with_local;
+      CHECK(local == Approx(in.memory_bytes / (c.cluster.gpu.hbm_bandwidth * c.cluster.gpu.memory_efficiency) +
+                            c.cluster.gpu.kernel_launch));
+    }
+  }
+  CHECK(with_local == 3);  // worker, server, decompression
 }
