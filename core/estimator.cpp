@@ -69,15 +69,36 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
 
 namespace {
 
+// A collective of a group with several materialized members, waiting for all of them.
 struct Rendezvous {
   int arrived = 0;
   double ready = 0;
   std::vector<std::pair<int, uint32_t>> members;  // (rank index, instruction)
 };
 
+// The first of a Send / Recv pair to be posted, waiting for its peer.
+struct P2PKey {
+  int src, dst, tag;
+  bool operator==(const P2PKey& o) const { return src == o.src && dst == o.dst && tag == o.tag; }
+};
+struct P2PKeyHash {
+  size_t operator()(const P2PKey& k) const {
+    return std::hash<uint64_t>()((uint64_t(uint32_t(k.src)) << 40) ^ (uint64_t(uint32_t(k.dst)) << 20) ^ uint32_t(k.tag));
+  }
+};
+struct P2PPosted {
+  int rank_index;
+  uint32_t instruction;
+  double ready;
+};
+
 }  // namespace
 
 Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds) {
+  // Round-robin over ranks and streams: each stream runs in order as far as its dependencies,
+  // collective rendezvous and send/recv matches allow; repeated until every instruction ran.
+  // Collectives of a group with one materialized member (every DP / TP group of a
+  // representative-only Program) complete on arrival; the others meet in `collectives`.
   const size_t nr = program.ranks.size();
   Timeline tl;
   tl.spans.resize(nr);
@@ -88,8 +109,9 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     index_of_rank[r] = static_cast<int>(ri);
   }
   // How many materialized members each group has: the rendezvous completes when they all arrive.
-  std::vector<int> materialized(program.groups.size(), 0);
-  for (size_t g = 0; g < program.groups.size(); ++g)
+  const size_t ng = program.groups.size();
+  std::vector<int> materialized(ng, 0);
+  for (size_t g = 0; g < ng; ++g)
     for (int r : program.groups[g].ranks)
       if (r < static_cast<int>(index_of_rank.size()) && index_of_rank[r] >= 0) ++materialized[g];
 
@@ -99,6 +121,7 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   std::vector<std::array<double, kStreams>> stream_free(nr);
   std::vector<std::vector<char>> done(nr), posted(nr);
   std::vector<std::vector<uint32_t>> collective_seq(nr);  // per instruction: its sequence on its group
+  std::vector<uint32_t> seq_by_group(ng);
   size_t remaining = 0;
   for (size_t ri = 0; ri < nr; ++ri) {
     const auto& ins = program.ranks[ri].instructions;
@@ -106,19 +129,22 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     done[ri].assign(ins.size(), 0);
     posted[ri].assign(ins.size(), 0);
     collective_seq[ri].assign(ins.size(), 0);
-    std::unordered_map<int, uint32_t> seq_by_group;
+    std::fill(seq_by_group.begin(), seq_by_group.end(), 0);
+    std::array<size_t, kStreams> per_stream{};
+    for (const Instruction& in : ins) ++per_stream[static_cast<int>(in.stream)];
+    for (int s = 0; s < kStreams; ++s) streams[ri][s].reserve(per_stream[s]);
     for (uint32_t i = 0; i < ins.size(); ++i) {
       streams[ri][static_cast<int>(ins[i].stream)].push_back(i);
-      if (is_collective(ins[i].op)) collective_seq[ri][i] = seq_by_group[ins[i].group]++;
+      if (is_collective(ins[i].op) && materialized.at(ins[i].group) > 1)
+        collective_seq[ri][i] = seq_by_group[ins[i].group]++;
     }
     cursor[ri].fill(0);
     stream_free[ri].fill(0.0);
     remaining += ins.size();
   }
 
-  std::map<std::pair<int, uint32_t>, Rendezvous> collectives;          // (group, seq)
-  std::map<std::tuple<int, int, int>, std::pair<int, uint32_t>> p2p;   // (src, dst, tag) -> first poster
-  std::map<std::tuple<int, int, int>, double> p2p_ready;
+  std::vector<std::vector<Rendezvous>> collectives(ng);  // [group][sequence]
+  std::unordered_map<P2PKey, P2PPosted, P2PKeyHash> p2p;
 
   auto finish = [&](int ri, uint32_t i, double start) {
     const Instruction& in = program.ranks[ri].instructions[i];
@@ -136,29 +162,41 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     bool progress = false;
     for (size_t ri = 0; ri < nr; ++ri) {
       const RankProgram& rp = program.ranks[ri];
+      const char* done_r = done[ri].data();
+      const Span* span_r = tl.spans[ri].data();
       for (int s = 0; s < kStreams; ++s) {
-        while (cursor[ri][s] < streams[ri][s].size()) {
-          const uint32_t i = streams[ri][s][cursor[ri][s]];
+        const std::vector<uint32_t>& stream = streams[ri][s];
+        while (cursor[ri][s] < stream.size()) {
+          const uint32_t i = stream[cursor[ri][s]];
           const Instruction& in = rp.instructions[i];
           double ready = stream_free[ri][s];
           bool blocked = false;
           for (uint32_t d = 0; d < in.deps_count; ++d) {
             const uint32_t dep = rp.deps[in.deps_begin + d];
-            if (!done[ri][dep]) { blocked = true; break; }
-            ready = std::max(ready, tl.spans[ri][dep].end);
+            if (!done_r[dep]) { blocked = true; break; }
+            ready = std::max(ready, span_r[dep].end);
           }
           if (blocked) break;
           if (is_collective(in.op)) {
+            if (materialized[in.group] <= 1) {
+              finish(static_cast<int>(ri), i, ready);
+              progress = true;
+              continue;
+            }
             if (posted[ri][i]) break;  // waiting for the rest of the group
             posted[ri][i] = 1;
-            auto& rv = collectives[{in.group, collective_seq[ri][i]}];
+            progress = true;
+            auto& seqs = collectives[in.group];
+            const uint32_t seq = collective_seq[ri][i];
+            if (seqs.size() <= seq) seqs.resize(seq + 1);
+            Rendezvous& rv = seqs[seq];
             rv.arrived++;
             rv.ready = std::max(rv.ready, ready);
             rv.members.emplace_back(static_cast<int>(ri), i);
-            progress = true;
             if (rv.arrived < materialized[in.group]) break;
             const double start = rv.ready;
             for (auto& [mr, mi] : rv.members) finish(mr, mi, start);
+            rv.members = {};
             continue;
           }
           if (in.op == Op::Send || in.op == Op::Recv) {
@@ -170,18 +208,17 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
             if (posted[ri][i]) break;
             posted[ri][i] = 1;
             progress = true;
-            const auto key = std::make_tuple(src, dst, in.tag);
+            const P2PKey key{src, dst, in.tag};
             auto it = p2p.find(key);
             if (it == p2p.end()) {
-              p2p.emplace(key, std::make_pair(static_cast<int>(ri), i));
-              p2p_ready[key] = ready;
+              p2p.emplace(key, P2PPosted{static_cast<int>(ri), i, ready});
               break;
             }
-            const double start = std::max(ready, p2p_ready[key]);
-            finish(it->second.first, it->second.second, start);
-            finish(static_cast<int>(ri), i, start);
+            const P2PPosted first = it->second;
             p2p.erase(it);
-            p2p_ready.erase(key);
+            const double start = std::max(ready, first.ready);
+            finish(first.rank_index, first.instruction, start);
+            finish(static_cast<int>(ri), i, start);
             continue;
           }
           finish(static_cast<int>(ri), i, ready);
