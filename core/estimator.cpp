@@ -28,6 +28,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
     }
   };
   std::unordered_map<Key, double, KeyHash> collective_cache;
+  struct { int from = -1, to = -1; double bytes = -1, seconds = 0; } last_p2p;  // a stage's p2p repeat
 
   std::vector<std::vector<double>> out(program.ranks.size());
   for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
@@ -56,8 +57,10 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
         t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
       } else if (in.op == Op::Send || in.op == Op::Recv) {
         const int me = rp.rank;
-        t = in.op == Op::Send ? p2p_seconds(sc.cluster, in.bytes, me, in.peer)
-                              : p2p_seconds(sc.cluster, in.bytes, in.peer, me);
+        const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
+        if (from != last_p2p.from || to != last_p2p.to || in.bytes != last_p2p.bytes)
+          last_p2p = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
+        t = last_p2p.seconds;
       } else {
         t = device.copy_seconds(in);
       }

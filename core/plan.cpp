@@ -311,8 +311,14 @@ double objective_of(PlanObjective o, double tokens_per_second, int gpus) {
   return o == PlanObjective::cost ? gpus / tokens_per_second : 1.0 / tokens_per_second;
 }
 
-// The analytic estimate at `grad_accum` micro-batches (global batch scaled to match).
-PlanScore evaluate_at(const Scenario& sc, int grad_accum) {
+// The analytic estimate at `grad_accum` micro-batches (global batch scaled to match), and how long
+// each stream of each materialized rank is busy.
+struct Evaluation {
+  PlanScore score;
+  std::vector<double> busy;  // [rank index * kStreams + stream] seconds
+};
+
+Evaluation evaluate_at(const Scenario& sc, int grad_accum) {
   Scenario s = sc;
   s.training.grad_accum = grad_accum;
   s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
@@ -320,9 +326,15 @@ PlanScore evaluate_at(const Scenario& sc, int grad_accum) {
   bo.representative_only = true;
   const Program program = build_program(s, bo);
   const Timeline tl = estimate(s, program);
-  PlanScore r;
-  r.iteration_seconds = tl.makespan;
-  if (!program.ranks.empty()) r.time = attribute_time(program, tl, critical_rank_index(tl));
+  Evaluation r;
+  r.score.iteration_seconds = tl.makespan;
+  if (!program.ranks.empty()) r.score.time = attribute_time(program, tl, critical_rank_index(tl));
+  r.busy.assign(program.ranks.size() * kStreams, 0.0);
+  for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
+    const auto& ins = program.ranks[ri].instructions;
+    for (size_t i = 0; i < ins.size(); ++i)
+      r.busy[ri * kStreams + static_cast<int>(ins[i].stream)] += tl.spans[ri][i].end - tl.spans[ri][i].start;
+  }
   return r;
 }
 
@@ -393,27 +405,48 @@ PlanFix parse_plan_fix(const std::string& key, const std::string& value) {
 
 std::array<int, 3> extrapolation_points(const Scenario& sc) {
   // Past its first micro-batches a pipeline is in its steady state: each further micro-batch adds
-  // the same time to every part of the breakdown. Where that starts depends on the pipeline (the
-  // estimator's T(m) for GPT-3 175B: 1F1B from ~pp/2 with uneven stages, Megatron's interleaved
-  // schedule, whose count stays a multiple of pp, from 2 pp), so three points u apart are
-  // evaluated, u = max(pp, 4) (interleaved: the multiple of pp from 4), at u, 2u, 3u (interleaved:
-  // 2u, 3u, 4u), and the line through the last two is used only when the first agrees with it;
-  // otherwise, or when it would not be shorter, the whole iteration.
+  // the same time to every part of the breakdown. The estimator's T(m) is, in effect, the largest
+  // of lines A_k + m S_k, one per pipeline stage k (S_k: its time per micro-batch), so it bends
+  // up until the slowest stage's line takes over, after a transient that grows with how close the
+  // stages are (1F1B: GPT-3 175B with even stages none; 96 layers on 64 stages until m = pp / 2;
+  // GPT 13B, 40 layers on 32 stages, until m = 1.7 pp or 3 pp). Three consecutive counts are
+  // evaluated from m1 = max(pp, 4) (consecutive, so that a schedule alternating between two
+  // patterns shows as two slopes), and the line through the last two is used when the first agrees
+  // with it and no stream of any rank is busier per micro-batch than the line grows (one that is
+  // falls behind: a slower stage's line still to take over; score_scenario). Otherwise, or when
+  // the three cost more than the whole iteration, the whole iteration is evaluated.
+  // Interleaved schedules are always evaluated whole: their transients also come from latencies
+  // (GPT 13B on pp 4, v 2 steadies at m = 20, the MoE scenario on pp 2, v 3 later than m = 16, no
+  // stream falling behind), and points placed after them cost more than the whole iteration for
+  // every interleaved configuration of GPT-3 175B on 1024 GPUs.
   const int pp = sc.parallel.pp;
-  const bool interleaved = sc.parallel.interleave > 1;
-  const int unit = interleaved ? pp * ((4 + pp - 1) / pp) : std::max(pp, 4);  // at least 4 apart
-  const int m1 = interleaved ? 2 * unit : unit, m2 = m1 + unit, m3 = m2 + unit;
-  if (sc.training.grad_accum <= m3 + unit) return {0, 0, 0};
+  if (sc.parallel.interleave > 1) return {0, 0, 0};
+  const int m1 = std::max(pp, 4), m2 = m1 + 1, m3 = m2 + 1;
+  if (sc.training.grad_accum <= m1 + m2 + m3) return {0, 0, 0};
   return {m1, m2, m3};
 }
 
 PlanScore score_scenario(const Scenario& sc, bool exact) {
   const auto [m1, m2, m3] = exact ? std::array<int, 3>{0, 0, 0} : extrapolation_points(sc);
-  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum);
-  const PlanScore a = evaluate_at(sc, m1), b = evaluate_at(sc, m2), c = evaluate_at(sc, m3);
+  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum).score;
+  // Steady between two evaluations: no stream of any rank is busy longer per micro-batch than the
+  // makespan grows (one that is falls further behind with every micro-batch: a slower stage whose
+  // line has not taken over yet).
+  auto steady = [](const Evaluation& x, const Evaluation& y, int mx, int my) {
+    const double slope = (y.score.iteration_seconds - x.score.iteration_seconds) / (my - mx);
+    double busiest = 0;
+    for (size_t i = 0; i < x.busy.size() && i < y.busy.size(); ++i)
+      busiest = std::max(busiest, (y.busy[i] - x.busy[i]) / (my - mx));
+    return busiest <= slope * (1 + 1e-6);
+  };
+  const Evaluation ea = evaluate_at(sc, m1), eb = evaluate_at(sc, m2);
+  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum).score;
+  const Evaluation ec = evaluate_at(sc, m3);
+  const PlanScore &a = ea.score, &b = eb.score, &c = ec.score;
   const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
   const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
-  if (std::abs(s23 - s12) > 1e-6 * std::abs(s23)) return evaluate_at(sc, sc.training.grad_accum);  // not steady yet
+  if (std::abs(s23 - s12) > 1e-6 * std::abs(s23) || !steady(eb, ec, m2, m3))
+    return evaluate_at(sc, sc.training.grad_accum).score;  // not steady yet
   const double k = double(sc.training.grad_accum - m2) / double(m3 - m2);
   auto line = [&](double x, double y) { return x + k * (y - x); };
   PlanScore r;

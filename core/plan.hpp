@@ -7,8 +7,9 @@
 // Scoring. The estimator evaluates the Program of the whole iteration. A pipeline of m micro-batches
 // reaches its steady state after a few micro-batches, from where every further micro-batch adds the
 // same time to each part of the breakdown; the fast path (the default) evaluates the Program at
-// three short micro-batch counts and, when they lie on one line, extends it to m
-// (extrapolation_points).
+// three short micro-batch counts and, when they lie on one line and no stream of any rank falls
+// behind it, extends it to m (extrapolation_points; 1F1B only, interleaved schedules are evaluated
+// whole).
 // tests/core/test_plan.cpp checks it against the full Program on a stated sample. Memory is always
 // the closed form of the real scenario (it does not depend on m beyond the pipeline's in-flight
 // micro-batches).
@@ -94,8 +95,8 @@ struct PlanScore {
   bool extrapolated = false;
 };
 // The analytic estimate of one scenario: with exact, the Program of the whole iteration
-// (analytic_report); otherwise extrapolated from two shorter iterations when grad_accum is large
-// enough to gain from it (and exactly otherwise).
+// (analytic_report); otherwise extrapolated from three shorter iterations when grad_accum is large
+// enough to gain from it and they are steady (and exactly otherwise).
 PlanScore score_scenario(const Scenario&, bool exact);
 // The three micro-batch counts the fast path evaluates for a scenario, {0, 0, 0} when it evaluates
 // the whole iteration (it also does when the three are not on one line).

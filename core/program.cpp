@@ -21,8 +21,6 @@ const char* to_string(Op op) {
   return "?";
 }
 
-bool is_compute(Op op) { return op <= Op::HostOptimizerStep; }
-bool is_collective(Op op) { return op >= Op::AllReduce && op <= Op::AllToAll; }
 
 const char* to_string(Stream s) {
   switch (s) {

@@ -35,8 +35,8 @@ const char* to_string(Op);
 // and its own compression before its all-gather; the decompression after the last all-gather.
 constexpr double kOnebitWorkerBytesPerElement = 84, kOnebitServerBytesPerElement = 40,
                  kOnebitDecompressBytesPerElement = 40;
-bool is_compute(Op);
-bool is_collective(Op);
+inline bool is_compute(Op op) { return op <= Op::HostOptimizerStep; }
+inline bool is_collective(Op op) { return op >= Op::AllReduce && op <= Op::AllToAll; }
 
 // Streams as real engines have them: Megatron TP and MoE all-to-all are blocking on the compute
 // stream; ZeRO gradient reduction / parameter gathering runs on its own stream (overlap_comm);

@@ -240,14 +240,18 @@ class Builder {
       for (int r = 0; r < grid_.world(); ++r) ranks.push_back(r);
     }
     prog.ranks.resize(ranks.size());
-    std::vector<size_t> reserve(p_, 0);
+    // Ranks of one stage have the same number of instructions, other stages about as many.
+    std::vector<std::pair<size_t, size_t>> reserve(p_, {0, 0});  // (instructions, deps) per stage
+    std::pair<size_t, size_t> last{0, 0};
     for (size_t i = 0; i < ranks.size(); ++i) {
       const int stage = grid_.coord(ranks[i]).pp;
       RankProgram& rp = prog.ranks[i];
       rp.rank = ranks[i];
-      rp.instructions.reserve(reserve[stage]);
+      const auto [ni, nd] = reserve[stage].first > 0 ? reserve[stage] : last;
+      rp.instructions.reserve(ni + ni / 8);
+      rp.deps.reserve(nd + nd / 8);
       emit_rank(prog, rp);
-      reserve[stage] = std::max(reserve[stage], rp.instructions.size());
+      last = reserve[stage] = {rp.instructions.size(), rp.deps.size()};
     }
     return prog;
   }
