@@ -118,8 +118,14 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     for (int r : program.groups[g].ranks)
       if (r < static_cast<int>(index_of_rank.size()) && index_of_rank[r] >= 0) ++materialized[g];
 
-  // Per rank: instruction indices of each stream, cursors, completion flags.
-  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams(nr);
+  // Per rank and stream, in stream order: what the loop below reads of each instruction, compact
+  // (the instructions themselves are read again only for rendezvous and send/recv).
+  enum Kind : uint8_t { kPlain, kRendezvous, kPointToPoint };
+  struct Entry {
+    uint32_t i, deps_begin, deps_count;
+    Kind kind;
+  };
+  std::vector<std::array<std::vector<Entry>, kStreams>> streams(nr);
   std::vector<std::array<size_t, kStreams>> cursor(nr);
   std::vector<std::array<double, kStreams>> stream_free(nr);
   std::vector<std::vector<char>> done(nr), posted(nr);
@@ -137,9 +143,15 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     for (const Instruction& in : ins) ++per_stream[static_cast<int>(in.stream)];
     for (int s = 0; s < kStreams; ++s) streams[ri][s].reserve(per_stream[s]);
     for (uint32_t i = 0; i < ins.size(); ++i) {
-      streams[ri][static_cast<int>(ins[i].stream)].push_back(i);
-      if (is_collective(ins[i].op) && materialized.at(ins[i].group) > 1)
-        collective_seq[ri][i] = seq_by_group[ins[i].group]++;
+      const Instruction& in = ins[i];
+      Kind kind = kPlain;
+      if (is_collective(in.op) && materialized.at(in.group) > 1) {
+        kind = kRendezvous;
+        collective_seq[ri][i] = seq_by_group[in.group]++;
+      } else if (in.op == Op::Send || in.op == Op::Recv) {
+        kind = kPointToPoint;
+      }
+      streams[ri][static_cast<int>(in.stream)].push_back({i, in.deps_begin, in.deps_count, kind});
     }
     cursor[ri].fill(0);
     stream_free[ri].fill(0.0);
@@ -168,24 +180,25 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
       const char* done_r = done[ri].data();
       const Span* span_r = tl.spans[ri].data();
       for (int s = 0; s < kStreams; ++s) {
-        const std::vector<uint32_t>& stream = streams[ri][s];
+        const std::vector<Entry>& stream = streams[ri][s];
         while (cursor[ri][s] < stream.size()) {
-          const uint32_t i = stream[cursor[ri][s]];
-          const Instruction& in = rp.instructions[i];
+          const Entry& en = stream[cursor[ri][s]];
+          const uint32_t i = en.i;
           double ready = stream_free[ri][s];
           bool blocked = false;
-          for (uint32_t d = 0; d < in.deps_count; ++d) {
-            const uint32_t dep = rp.deps[in.deps_begin + d];
+          for (uint32_t d = 0; d < en.deps_count; ++d) {
+            const uint32_t dep = rp.deps[en.deps_begin + d];
             if (!done_r[dep]) { blocked = true; break; }
             ready = std::max(ready, span_r[dep].end);
           }
           if (blocked) break;
-          if (is_collective(in.op)) {
-            if (materialized[in.group] <= 1) {
-              finish(static_cast<int>(ri), i, ready);
-              progress = true;
-              continue;
-            }
+          if (en.kind == kPlain) {  // also a collective of a group with one materialized member
+            finish(static_cast<int>(ri), i, ready);
+            progress = true;
+            continue;
+          }
+          const Instruction& in = rp.instructions[i];
+          if (en.kind == kRendezvous) {
             if (posted[ri][i]) break;  // waiting for the rest of the group
             posted[ri][i] = 1;
             progress = true;
@@ -202,7 +215,7 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
             rv.members = {};
             continue;
           }
-          if (in.op == Op::Send || in.op == Op::Recv) {
+          {  // send / recv
             const int me = rp.rank;
             const int src = in.op == Op::Send ? me : in.peer;
             const int dst = in.op == Op::Send ? in.peer : me;
@@ -222,10 +235,7 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
             const double start = std::max(ready, first.ready);
             finish(first.rank_index, first.instruction, start);
             finish(static_cast<int>(ri), i, start);
-            continue;
           }
-          finish(static_cast<int>(ri), i, ready);
-          progress = true;
         }
       }
     }
@@ -233,7 +243,7 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
       for (size_t ri = 0; ri < nr; ++ri)
         for (int s = 0; s < kStreams; ++s)
           if (cursor[ri][s] < streams[ri][s].size()) {
-            const Instruction& in = program.ranks[ri].instructions[streams[ri][s][cursor[ri][s]]];
+            const Instruction& in = program.ranks[ri].instructions[streams[ri][s][cursor[ri][s]].i];
             throw std::runtime_error("Program deadlocks: rank " + std::to_string(program.ranks[ri].rank) +
                                      " stream " + to_string(in.stream) + " is stuck at " +
                                      to_string(in.op) + " (" + to_string(in.purpose) + ", micro-batch " +

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -537,8 +538,25 @@ class Builder {
 
   // Megatron's interleaved compute order, p2p placed by a unit-cost run of the whole pipeline.
   std::vector<Action> interleaved_actions(int s) {
-    if (interleaved_actions_.empty()) run_interleaved_unit_schedule();
+    if (interleaved_actions_.empty()) interleaved_actions_ = interleaved_schedule_cached();
     return interleaved_actions_[s];
+  }
+
+  // The unit-cost run depends on (pp, interleave, micro-batches) only; a planner builds many
+  // Programs with the same three (different TP, micro-batch size, ZeRO, ...), so the last few are kept.
+  std::vector<std::vector<Action>> interleaved_schedule_cached() {
+    static std::mutex mutex;
+    static std::map<std::tuple<int, int, int>, std::vector<std::vector<Action>>> cache;
+    const auto key = std::make_tuple(p_, v_, M_);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (auto it = cache.find(key); it != cache.end()) return it->second;
+    }
+    run_interleaved_unit_schedule();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (cache.size() >= 16) cache.clear();
+    cache.emplace(key, interleaved_actions_);
+    return interleaved_actions_;
   }
 
   void run_interleaved_unit_schedule() {
