@@ -637,39 +637,44 @@ std::optional<size_t> best_other_family(const PlanResult& r) {
 }
 
 std::string explain(const PlanEntry& w, const PlanEntry& o) {
+  // Each part is named with its side ("TP+PP+DP's pipeline bubble"), the parts that make up most of
+  // the difference first; a part where the winner spends more comes last, as what it gives back.
   auto names = [](const std::string& k) -> std::string {
     if (k == "compute") return "compute (forward, backward, recompute, optimizer)";
     if (k == "bubble") return "pipeline bubble";
     if (k == "offload") return "exposed offload (PCIe)";
     return "exposed " + k + " communication";
   };
-  char buf[512];
+  const std::string wn = w.point.family(), on = o.point.family();
+  const double gap = o.iteration_seconds - w.iteration_seconds;
+  char buf[640];
   std::ostringstream s;
-  std::snprintf(buf, sizeof buf, "%s (%.3f s per iteration) beats %s %s (%.3f s, %.1f%% slower)",
-                w.point.family().c_str(), w.iteration_seconds, "the best", o.point.family().c_str(),
-                o.iteration_seconds, 100 * (o.iteration_seconds / w.iteration_seconds - 1));
+  std::snprintf(buf, sizeof buf, "%s (%.3f s per iteration) beats the best %s (%.3f s, %.3f s or %.1f%% slower)", wn.c_str(),
+                w.iteration_seconds, on.c_str(), o.iteration_seconds, gap, 100 * gap / w.iteration_seconds);
   s << buf;
   const auto pw = parts(w.time), po = parts(o.time);
-  std::vector<std::tuple<double, std::string, double, double>> diffs;  // (other - winner, name, other, winner)
-  for (size_t i = 0; i < pw.size(); ++i) diffs.emplace_back(po[i].second - pw[i].second, pw[i].first, po[i].second, pw[i].second);
-  std::sort(diffs.begin(), diffs.end(), [](const auto& a, const auto& b) {
-    return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) > std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
-  });
+  struct Diff { double d; std::string name; double other, winner; };
+  std::vector<Diff> diffs;
+  for (size_t i = 0; i < pw.size(); ++i) diffs.push_back({po[i].second - pw[i].second, pw[i].first, po[i].second, pw[i].second});
+  std::sort(diffs.begin(), diffs.end(), [](const Diff& a, const Diff& b) { return a.d != b.d ? a.d > b.d : a.name < b.name; });
+  auto share = [](double part, double iteration) { return iteration > 0 ? 100 * part / iteration : 0.0; };
+  const double threshold = 0.005 * w.iteration_seconds;
   int said = 0;
-  for (const auto& [d, name, ov, wv] : diffs) {
-    if (d <= 0.005 * w.iteration_seconds || said == 2) break;
-    std::snprintf(buf, sizeof buf, "%s %s takes %.3f s (%.0f%% of its iteration) against %.3f s (%.0f%%)",
-                  said == 0 ? ": its" : "; its", names(name).c_str(), ov, 100 * ov / o.iteration_seconds, wv,
-                  100 * wv / w.iteration_seconds);
+  for (const Diff& d : diffs) {
+    if (d.d <= threshold || said == 2) break;
+    std::snprintf(buf, sizeof buf, "%s%s's %s takes %.3f s (%.0f%%) against %s's %.3f s (%.0f%%), %.3f s of the difference",
+                  said == 0 ? ": " : "; ", on.c_str(), names(d.name).c_str(), d.other, share(d.other, o.iteration_seconds),
+                  wn.c_str(), d.winner, share(d.winner, w.iteration_seconds), d.d);
     s << buf;
     ++said;
   }
-  const auto& [d, name, ov, wv] = diffs.back();
-  if (d < -0.005 * w.iteration_seconds) {
-    std::snprintf(buf, sizeof buf, ", though it saves %.3f s of %s (%.3f s against %.3f s)", -d, names(name).c_str(), ov, wv);
+  s << ".";
+  const Diff& back = diffs.back();
+  if (back.d < -threshold) {
+    std::snprintf(buf, sizeof buf, " %s gives back %.3f s in %s (%.3f s against %s's %.3f s).", wn.c_str(), -back.d,
+                  names(back.name).c_str(), back.winner, on.c_str(), back.other);
     s << buf;
   }
-  s << ".";
   return s.str();
 }
 

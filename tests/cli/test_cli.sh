@@ -74,6 +74,17 @@ PY
     expect_out "^ +1 +TP"
     expect_out "the scenario's own configuration .* ranks [0-9]+ of [0-9]+"
     expect_out "^Why: .* beats the best"
+    # each part is named with its side: "OTHER's pipeline bubble takes ... against WINNER's ..."
+    python3 - "$(grep '^Why: ' "$TMP/out")" <<'PY' || fail "the why sentence does not name both sides"
+import re, sys
+why = sys.argv[1]
+m = re.match(r"Why: (.+?) \([0-9.]+ s per iteration\) beats the best (.+?) \(", why)
+assert m, why
+winner, other = m.group(1), m.group(2)
+assert winner != other, why
+assert f": {other}'s " in why and f" against {winner}'s " in why, why
+assert " its " not in why, why
+PY
     [ "$(grep -cE '^ +[0-9]+[ *] +TP' "$TMP/out")" -ge 5 ] || fail "fewer than 5 ranked rows"
     ;;
   plan_json)

@@ -259,3 +259,33 @@ TEST_CASE("plan: the emitted ds_config loads back to the same training setup", "
     std::remove(ds_path.c_str());
   }
 }
+
+TEST_CASE("plan: the why sentence names each side and leads with the largest difference", "[plan]") {
+  PlanEntry w, o;
+  w.point.tp = 4, w.point.pp = 1, w.point.dp = 256, w.point.zero = 3;
+  o.point.tp = 8, o.point.pp = 8, o.point.dp = 16, o.point.zero = 1;
+  REQUIRE(w.point.family() == "TP+DP ZeRO-3");
+  REQUIRE(o.point.family() == "TP+PP+DP");
+  w.time.forward = 4.506, w.time.backward = 10.0, w.time.bubble = 0.002, w.time.exposed_dp = 0.3;
+  o.time.forward = 5.131, o.time.backward = 10.0, o.time.bubble = 0.515, o.time.exposed_dp = 0.1;
+  w.iteration_seconds = 14.808;
+  o.iteration_seconds = 15.746;
+  const std::string why = explain(w, o);
+  INFO(why);
+  CHECK(why.rfind("TP+DP ZeRO-3 (14.808 s per iteration) beats the best TP+PP+DP (15.746 s, 0.938 s or 6.3% slower): ", 0) == 0);
+  const size_t compute = why.find("TP+PP+DP's compute (forward, backward, recompute, optimizer) takes 15.131 s (96%) against "
+                                  "TP+DP ZeRO-3's 14.506 s (98%), 0.625 s of the difference");
+  const size_t bubble = why.find("TP+PP+DP's pipeline bubble takes 0.515 s (3%) against TP+DP ZeRO-3's 0.002 s (0%), 0.513 s");
+  CHECK(compute != std::string::npos);
+  CHECK(bubble != std::string::npos);
+  CHECK(compute < bubble);  // the larger difference first
+  CHECK(why.find("TP+DP ZeRO-3 gives back 0.200 s in exposed DP communication (0.300 s against TP+PP+DP's 0.100 s).") !=
+        std::string::npos);
+  CHECK(why.find(" its ") == std::string::npos);
+  // the other order of parts: the bubble leads when it is the larger difference
+  o.time.forward = 4.606;
+  o.iteration_seconds = 15.221;
+  const std::string why2 = explain(w, o);
+  INFO(why2);
+  CHECK(why2.find("TP+PP+DP's pipeline bubble") < why2.find("TP+PP+DP's compute"));
+}
