@@ -10,6 +10,8 @@
                          the sample tests/data/plots/validate_sample.json, marked as sample data)
 - compare.png            --compare-json (the output of `dssim compare --json` on a GPU machine),
                          else the committed sample tests/data/plots/compare_sample.json
+- plan_sweep.png         `dssim plan gpt13b_zero2 --gpus 16..512 --json`: the best configuration's
+                         tokens/s per GPU and MFU per GPU count, annotated with its layout
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import common  # noqa: E402  (selects the Agg backend)
 import compare  # noqa: E402
 import memory_breakdown  # noqa: E402
 import pipeline_timeline  # noqa: E402
+import plan_sweep  # noqa: E402
 import scaling  # noqa: E402
 import validation  # noqa: E402
 
@@ -30,6 +33,9 @@ TIMELINE_SETS = ["parallel.pp=4", "model.layers=8", "training.global_batch=8", "
 MEMORY_SCENARIO = "scenarios/gpt13b_zero2.yaml"
 SCALING_SCENARIO = "scenarios/gpt175b.yaml"
 SCALING_GPUS = [512, 1024, 2048, 4096, 8192]
+SWEEP_SCENARIO = "scenarios/gpt13b_zero2.yaml"
+SWEEP_GPUS = "16..512"
+SWEEP_VARY = "tp,pp,micro_batch,zero,recompute,offload"  # a few seconds; the full space takes ~1 min
 SAMPLE_NOTE = "SAMPLE DATA (hand-made {name}, shows the plot's layout; not a dssim result)"
 
 
@@ -75,6 +81,11 @@ def render_compare(outdir: Path, given: str | None) -> Path:
     return compare.plot_compare(compare.compare_kinds(doc), outdir / "compare.png", note=note)
 
 
+def render_plan_sweep(dssim: str, outdir: Path) -> Path:
+    doc = plan_sweep.run_sweep(dssim, SWEEP_SCENARIO, SWEEP_GPUS, ["--vary", SWEEP_VARY])
+    return plan_sweep.plot_sweep(doc, outdir / "plan_sweep.png")
+
+
 def render_all(dssim: str, outdir: Path, validate_json: str | None = None, compare_json: str | None = None,
                only: list[str] | None = None) -> list[Path]:
     jobs = {
@@ -83,6 +94,7 @@ def render_all(dssim: str, outdir: Path, validate_json: str | None = None, compa
         "scaling": lambda: render_scaling(dssim, outdir),
         "validation": lambda: render_validation(dssim, outdir, validate_json),
         "compare": lambda: render_compare(outdir, compare_json),
+        "plan_sweep": lambda: render_plan_sweep(dssim, outdir),
     }
     outdir.mkdir(parents=True, exist_ok=True)
     done = []

@@ -108,6 +108,37 @@ assert abs(sum(e["time_seconds"].values()) - e["iteration_seconds"]) <= 1e-6 * e
 assert p["scenario_config"]["rank"] >= 1
 PY
     ;;
+  plan_sweep)
+    # --gpus 16..64: 16, 32 and 64 GPUs, one table row and one JSON plan each, the best marked
+    run plan scenarios/gpt13b_zero2.yaml --gpus 16..64 --top 2 --vary tp,pp,micro_batch,zero
+    expect_rc 0
+    expect_out "^Best per GPU count"
+    sed -n '/^Best per GPU count/,/^$/p' "$TMP/out" >"$TMP/sizes"
+    [ "$(grep -cE '^ +[0-9]+[ *] +TP' "$TMP/sizes")" = 3 ] || fail "the table has not 3 rows"
+    for n in 16 32 64; do
+      grep -qE "^ +$n[ *] +TP[0-9]+ PP[0-9]+ DP[0-9]+ " "$TMP/sizes" || fail "no table row for $n GPUs"
+    done
+    [ "$(grep -cE '^ +[0-9]+\* +TP' "$TMP/sizes")" = 1 ] || fail "not exactly one best GPU count marked"
+    run plan scenarios/gpt13b_zero2.yaml --gpus 16..64 --top 2 --vary tp,pp,micro_batch,zero --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "sweep JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+plans = j["plans"]
+assert [p["gpus"] for p in plans] == [16, 32, 64], [p["gpus"] for p in plans]
+for p in plans:
+    assert 1 <= len(p["ranked"]) <= 2, p["gpus"]
+    e = p["ranked"][0]
+    c = e["config"]
+    assert c["tp"] * c["pp"] * c["dp"] == p["gpus"], (p["gpus"], c)
+    assert p["counts"]["enumerated"] == p["counts"]["invalid"] + p["counts"]["too_big"] + p["counts"]["scored"]
+b = j["best"]
+best = plans[b["plan_index"]]
+assert best["gpus"] == b["gpus"] and best["ranked"][0]["key"] == b["key"], b
+# throughput: the best size has the most tokens/s of all best-per-size entries
+assert best["ranked"][0]["tokens_per_second"] == max(p["ranked"][0]["tokens_per_second"] for p in plans)
+PY
+    ;;
   plan_infeasible)
     run plan scenarios/gpt175b.yaml --gpus 8
     expect_rc 3

@@ -16,6 +16,7 @@ import common  # noqa: E402
 import compare  # noqa: E402
 import memory_breakdown  # noqa: E402
 import pipeline_timeline  # noqa: E402
+import plan_sweep  # noqa: E402
 import scaling  # noqa: E402
 import validation  # noqa: E402
 
@@ -135,6 +136,38 @@ class ScalingTest(unittest.TestCase):
 
     def test_valid_gpu_counts(self):
         self.assertEqual(scaling.valid_gpu_counts([512, 1000, 1024], 8, 8), ([512, 1024], [1000]))
+
+
+def plan_doc(sizes, best_index=0, empty=()):
+    """A `dssim plan --gpus A..B --json` document with one ranked entry per size (none in `empty`)."""
+    plans = []
+    for n in sizes:
+        cfg = {"tp": 2, "pp": 1, "dp": n // 2, "ep": 1, "micro_batch": 4, "grad_accum": 1, "zero_stage": 3,
+               "offload": "optimizer", "recompute": "none", "interleave": 1, "sequence_parallel": True}
+        ranked = [] if n in empty else [{"rank": 1, "key": f"tp2.dp{n // 2}", "config": cfg,
+                                         "tokens_per_second": 1000.0 * n, "mfu": 0.5}]
+        plans.append({"gpus": n, "global_batch": 512, "counts": {"scored": len(ranked)}, "ranked": ranked})
+    return {"schema": "dssim.plan/1", "objective": "throughput", "plans": plans,
+            "best": {"gpus": sizes[best_index], "key": "k", "plan_index": best_index}}
+
+
+class PlanSweepTest(unittest.TestCase):
+    def test_one_point_per_gpu_count_sorted(self):
+        pts = plan_sweep.sweep_points(plan_doc([64, 16, 32], best_index=2, empty=(16,)))
+        self.assertEqual([p.gpus for p in pts], [16, 32, 64])
+        self.assertEqual([p.fits for p in pts], [False, True, True])
+        self.assertAlmostEqual(pts[2].tokens_per_gpu, 1000.0)
+        self.assertEqual([p.best for p in pts], [False, True, False])  # plan_index 2 is the 32-GPU plan
+
+    def test_layout_label(self):
+        pts = plan_sweep.sweep_points(plan_doc([64]))
+        self.assertEqual(pts[0].layout, "TP2 PP1 DP32 SP\nmb 4 ZeRO-3 opt-off")
+
+    def test_rejects_other_documents(self):
+        with self.assertRaises(ValueError):
+            plan_sweep.sweep_points({"schema": "dssim.report/1"})
+        with self.assertRaises(ValueError):
+            plan_sweep.sweep_points(plan_doc([16, 16]))
 
 
 class ValidationTest(unittest.TestCase):
