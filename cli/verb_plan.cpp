@@ -203,9 +203,17 @@ int verb_plan(int argc, char** argv) {
       PlanOptions o = po_;
       o.gpus = n;
       if (tty)
-        o.progress = [n](size_t done, size_t total) {
-          std::fprintf(stderr, "\rdssim plan: %d GPUs: scored %zu / %zu configurations", n, done, total);
-          if (done == total) std::fprintf(stderr, "\r\033[K");
+        o.progress = [](const PlanProgress& p) {
+          if (p.phase == PlanProgress::enumerating) {
+            std::fprintf(stderr, "\rdssim plan: %d GPUs: enumerated %zu / %zu configurations, %zu fit\033[K", p.gpus, p.done,
+                         p.total, p.fitting);
+            return;
+          }
+          std::fprintf(stderr, "\rdssim plan: %d GPUs: scored %zu / %zu configurations", p.gpus, p.done, p.total);
+          if (p.best)
+            std::fprintf(stderr, ", best so far %s (%.3f s, %s tokens/s)", p.best->point.label().c_str(),
+                         p.best->iteration_seconds, human_tokens(p.best->tokens_per_second).c_str());
+          std::fprintf(stderr, p.done == p.total ? "\r\033[K" : "\033[K");
         };
       results.push_back(plan(base, o));
     }

@@ -216,9 +216,9 @@ struct Space {
   }
 };
 
-// Every point of the space, validated; `visit(point, scenario, memory)` for each valid one.
-template <class Visit>
-void enumerate(const Space& sp, PlanResult& res, PartitionCache& cache, Visit&& visit) {
+// Every point of the space that the fixes admit, in a fixed order: `f(point)`.
+template <class F>
+void for_each_point(const Space& sp, F&& f) {
   const Scenario& b = sp.base;
   const int n = sp.gpus;
   const int64_t batch = b.training.global_batch;
@@ -264,30 +264,49 @@ void enumerate(const Space& sp, PlanResult& res, PartitionCache& cache, Visit&& 
                     p.interleave = v;
                     p.sequence_parallel = s != 0;
                     p.offload = static_cast<Offload>(off);
-                    if (!sp.admits(p)) continue;
-                    ++res.enumerated;
-                    Scenario sc;
-                    try {
-                      sc = apply_point_cached(b, p, &cache);
-                      validate(sc);
-                    } catch (const ConfigError& e) {
-                      ++res.invalid;
-                      if (res.first_invalid.empty()) res.first_invalid = e.what();
-                      continue;
-                    }
-                    const MemoryBreakdown m = peak_memory(sc);
-                    if (!res.smallest_point || m.total() < res.smallest_memory.total()) {
-                      res.smallest_point = p;
-                      res.smallest_memory = m;
-                    }
-                    if (!fits(sc, m)) {
-                      ++res.too_big;
-                      continue;
-                    }
-                    visit(p, std::move(sc), m);
+                    if (sp.admits(p)) f(p);
                   }
     }
   }
+}
+
+// Every point of the space, validated; `visit(point, scenario, memory)` for each valid one that
+// fits. `progress`, when set, is told about every 2% of the points (counted first) and at the end.
+template <class Visit>
+void enumerate(const Space& sp, PlanResult& res, PartitionCache& cache, Visit&& visit,
+               const std::function<void(const PlanProgress&)>& progress = {}) {
+  PlanProgress pr;
+  pr.phase = PlanProgress::enumerating;
+  pr.gpus = sp.gpus;
+  if (progress) for_each_point(sp, [&](const PlanPoint&) { ++pr.total; });
+  const size_t step = std::max<size_t>(1, pr.total / 50);
+  for_each_point(sp, [&](const PlanPoint& p) {
+    ++res.enumerated;
+    if (progress && (res.enumerated % step == 0 || res.enumerated == pr.total)) {
+      pr.done = res.enumerated;
+      pr.fitting = res.enumerated - res.invalid - res.too_big - 1;  // this point is not sized yet
+      progress(pr);
+    }
+    Scenario sc;
+    try {
+      sc = apply_point_cached(sp.base, p, &cache);
+      validate(sc);
+    } catch (const ConfigError& e) {
+      ++res.invalid;
+      if (res.first_invalid.empty()) res.first_invalid = e.what();
+      return;
+    }
+    const MemoryBreakdown m = peak_memory(sc);
+    if (!res.smallest_point || m.total() < res.smallest_memory.total()) {
+      res.smallest_point = p;
+      res.smallest_memory = m;
+    }
+    if (!fits(sc, m)) {
+      ++res.too_big;
+      return;
+    }
+    visit(p, std::move(sc), m);
+  });
 }
 
 Space make_space(const Scenario& resized, const PlanOptions& o) {
@@ -507,12 +526,17 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
   std::vector<Candidate> fitting;
   enumerate(sp, res, cache, [&](const PlanPoint& p, Scenario&& s, const MemoryBreakdown& m) {
     fitting.push_back({p, std::move(s), m});
-  });
+  }, o.progress);
 
   const auto t1 = std::chrono::steady_clock::now();
   res.enumerate_seconds = std::chrono::duration<double>(t1 - t0).count();
   const size_t total = fitting.size();
   const size_t step = std::max<size_t>(1, total / 50);
+  PlanProgress pr;
+  pr.phase = PlanProgress::scoring;
+  pr.gpus = sp.gpus;
+  pr.total = total;
+  pr.fitting = total;
   res.ranked.reserve(total);
   for (size_t i = 0; i < total; ++i) {
     const Candidate& c = fitting[i];
@@ -533,7 +557,13 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
     e.gpu_hours = sp.gpus * e.time_to_train_seconds / 3600;
     e.objective = objective_of(o.objective, r.tokens_per_second, sp.gpus);
     res.ranked.push_back(std::move(e));
-    if (o.progress && ((i + 1) % step == 0 || i + 1 == total)) o.progress(i + 1, total);
+    if (!pr.best || res.ranked.back().objective < pr.best->objective ||
+        (res.ranked.back().objective == pr.best->objective && res.ranked.back().point.key() < pr.best->point.key()))
+      pr.best = &res.ranked.back();  // reserved: the pointer stays valid until the sort below
+    if (o.progress && ((i + 1) % step == 0 || i + 1 == total)) {
+      pr.done = i + 1;
+      o.progress(pr);
+    }
   }
   // Sort keys once: objective, then the stable key.
   std::vector<std::pair<std::string, size_t>> keys;

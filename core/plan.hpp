@@ -78,6 +78,17 @@ bool is_plan_key(const std::string& key);
 // Throws ConfigError naming --fix and the expected values.
 PlanFix parse_plan_fix(const std::string& key, const std::string& value);
 
+struct PlanEntry;
+// Where a search is, for a progress line: enumerating (points generated and validated / all of the
+// space, how many fit so far) or scoring (configurations scored / all that fit, the best so far).
+struct PlanProgress {
+  enum Phase { enumerating, scoring } phase = enumerating;
+  int gpus = 0;
+  size_t done = 0, total = 0;
+  size_t fitting = 0;
+  const PlanEntry* best = nullptr;    // scoring: the best so far (valid during the call only)
+};
+
 struct PlanOptions {
   int gpus = 0;                       // 0 = the scenario's cluster
   std::vector<PlanDim> vary;          // empty = every dimension that applies (ep: MoE only)
@@ -85,8 +96,8 @@ struct PlanOptions {
   PlanObjective objective = PlanObjective::throughput;
   int max_tp = 0;                     // 0 = cluster.gpus_per_node (Megatron keeps TP in a node); a fix overrides
   bool exact = false;                 // score every point with the whole Program (no extrapolation)
-  // Called while scoring (done, total) about every 2% and at the end.
-  std::function<void(size_t done, size_t total)> progress;
+  // Called while enumerating and while scoring, each about every 2% and at the end.
+  std::function<void(const PlanProgress&)> progress;
 };
 
 struct PlanScore {

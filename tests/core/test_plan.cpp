@@ -289,3 +289,39 @@ TEST_CASE("plan: the why sentence names each side and leads with the largest dif
   INFO(why2);
   CHECK(why2.find("TP+PP+DP's pipeline bubble") < why2.find("TP+PP+DP's compute"));
 }
+
+TEST_CASE("plan: progress reports the enumeration, then the scoring with the best so far", "[plan]") {
+  const Scenario sc = load_scenario("gpt13b_zero2");
+  PlanOptions o;
+  o.vary = {PlanDim::tp, PlanDim::pp, PlanDim::micro_batch, PlanDim::zero};
+  struct Event { PlanProgress::Phase phase; size_t done, total, fitting; std::string best; };
+  std::vector<Event> events;
+  o.progress = [&](const PlanProgress& p) {
+    CHECK(p.gpus == 64);
+    events.push_back({p.phase, p.done, p.total, p.fitting, p.best ? p.best->point.key() : ""});
+  };
+  const PlanResult r = plan(sc, o);
+  REQUIRE(!r.ranked.empty());
+  REQUIRE(events.size() > 10);
+  size_t last_enumerating = 0;
+  for (size_t i = 0; i < events.size(); ++i)
+    if (events[i].phase == PlanProgress::enumerating) last_enumerating = i;
+  // all enumeration events come first, counting up to every point of the space
+  for (size_t i = 0; i <= last_enumerating; ++i) {
+    CHECK(events[i].phase == PlanProgress::enumerating);
+    CHECK(events[i].total == r.enumerated);
+    CHECK(events[i].fitting <= events[i].done);
+    if (i > 0) CHECK(events[i].done > events[i - 1].done);
+  }
+  CHECK(events[last_enumerating].done == r.enumerated);
+  CHECK(events[last_enumerating].fitting <= r.ranked.size());
+  // then scoring, up to every configuration that fits, ending on the winner
+  REQUIRE(last_enumerating + 1 < events.size());
+  for (size_t i = last_enumerating + 1; i < events.size(); ++i) {
+    CHECK(events[i].phase == PlanProgress::scoring);
+    CHECK(events[i].total == r.ranked.size());
+    CHECK(!events[i].best.empty());
+  }
+  CHECK(events.back().done == r.ranked.size());
+  CHECK(events.back().best == r.ranked[0].point.key());
+}
