@@ -23,19 +23,6 @@ void usage(FILE* out) {
 
 }  // namespace
 
-#ifndef DSSIM_HAVE_TORCH
-int dssim::cli::verb_run(int, char**) {
-  std::fprintf(stderr, "dssim run: this dssim was built without the torch backend "
-                       "(configure with -DDSSIM_WITH_TORCH=ON and libtorch installed)\n");
-  return 2;
-}
-int dssim::cli::verb_calibrate(int, char**) {
-  std::fprintf(stderr, "dssim calibrate: this dssim was built without the torch backend "
-                       "(configure with -DDSSIM_WITH_TORCH=ON and libtorch installed)\n");
-  return 2;
-}
-#endif
-
 int main(int argc, char** argv) {
   if (argc < 2) {
     usage(stderr);
