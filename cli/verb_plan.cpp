@@ -351,10 +351,12 @@ int verb_plan(int argc, char** argv) {
                     e.gpu_hours);
       }
     }
+    const std::string how = po_.exact ? "whole-iteration Programs"
+                                      : fmt("%.0f", double(R.extrapolated)) + " from Programs of a few micro-batches extended to " +
+                                            "the batch, the others whole";
     std::printf("\n%zu configurations on %d GPUs: %zu refused by validation, %zu over GPU or host memory, %zu fit and "
-                "were scored in %.2f s (%s)\n\n",
-                R.enumerated, R.gpus, R.invalid, R.too_big, R.ranked.size(), R.seconds,
-                po_.exact ? "whole-iteration Programs" : "Programs of a few micro-batches, extended to the batch");
+                "were searched in %.2f s (%s)\n\n",
+                R.enumerated, R.gpus, R.invalid, R.too_big, R.ranked.size(), R.seconds, how.c_str());
     print_table(R, top, po_.objective);
     if (R.base_point) {
       if (R.base_rank)

@@ -135,6 +135,7 @@ struct PlanResult {
   size_t invalid = 0;                 // refused by core/validate (or no pipeline partition)
   size_t too_big = 0;                 // valid, but over GPU or host memory
   std::vector<PlanEntry> ranked;      // fits, scored, best first
+  size_t extrapolated = 0;            // of which scored by the fast path's line (the rest: whole Programs)
   std::optional<size_t> base_rank;    // index in ranked of the base scenario's own point
   std::optional<PlanPoint> base_point;  // when the base fits this GPU count
   // The valid point with the smallest peak GPU memory (for "does not fit" messages).
