@@ -335,14 +335,14 @@ double objective_of(PlanObjective o, double tokens_per_second, int gpus) {
   return o == PlanObjective::cost ? gpus / tokens_per_second : 1.0 / tokens_per_second;
 }
 
-// The analytic estimate at `grad_accum` micro-batches (global batch scaled to match), and how long
-// each stream of each materialized rank is busy.
+// The analytic estimate at `grad_accum` micro-batches (global batch scaled to match), and, with
+// `busy`, how long each stream of each materialized rank is busy (the fast path's steadiness check).
 struct Evaluation {
   PlanScore score;
   std::vector<double> busy;  // [rank index * kStreams + stream] seconds
 };
 
-Evaluation evaluate_at(const Scenario& sc, int grad_accum) {
+Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool busy = false) {
   Scenario s = sc;
   s.training.grad_accum = grad_accum;
   s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
@@ -353,6 +353,7 @@ Evaluation evaluate_at(const Scenario& sc, int grad_accum) {
   Evaluation r;
   r.score.iteration_seconds = tl.makespan;
   if (!program.ranks.empty()) r.score.time = attribute_time(program, tl, critical_rank_index(tl));
+  if (!busy) return r;
   r.busy.assign(program.ranks.size() * kStreams, 0.0);
   for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
     const auto& ins = program.ranks[ri].instructions;
@@ -463,9 +464,9 @@ PlanScore score_scenario(const Scenario& sc, bool exact) {
       busiest = std::max(busiest, (y.busy[i] - x.busy[i]) / (my - mx));
     return busiest <= slope * (1 + 1e-6);
   };
-  const Evaluation ea = evaluate_at(sc, m1), eb = evaluate_at(sc, m2);
+  const Evaluation ea = evaluate_at(sc, m1, true), eb = evaluate_at(sc, m2, true);
   if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum).score;
-  const Evaluation ec = evaluate_at(sc, m3);
+  const Evaluation ec = evaluate_at(sc, m3, true);
   const PlanScore &a = ea.score, &b = eb.score, &c = ec.score;
   const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
   const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
