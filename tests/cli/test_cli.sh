@@ -295,7 +295,10 @@ assert rec["schema"] == "dssim.measurement/1" and "scenario_yaml" in rec
 kinds = {k["kind"]: k for k in live["kinds"]}
 for k in ("forward", "backward", "optimizer_step"):
     assert kinds[k]["measured_seconds"] > 0 and kinds[k]["simulated_seconds"] > 0, k
-assert "all_reduce" in kinds or "reduce_scatter" in kinds, kinds.keys()  # 2 data-parallel ranks
+# 2 data-parallel ranks reduce their gradients: bytes, not the table (its rows under 0.1% of the
+# measured iteration are left out, and a loaded machine stretches the iteration).
+moved = rec["report"]["extras"]["measured"]["bytes_per_iteration"]
+assert moved.get("all_reduce/gradient_reduce", 0) > 0, moved.keys()
 assert again["iteration_seconds"]["measured"] == live["iteration_seconds"]["measured"]
 assert abs(again["iteration_seconds"]["simulated"] - live["iteration_seconds"]["simulated"]) <= 1e-12 * live["iteration_seconds"]["simulated"]
 m = rec["report"]["throughput"]["iteration_seconds"]
