@@ -397,7 +397,7 @@ class Engine {
         y = block_forward(cfg_, tp_, param(u, "forward"), x, recompute_attention_, moe_ptr);
         st.segments.push_back({u, x, y, moe_ptr ? moe.l_aux * sc_.model.moe_loss_coeff : at::Tensor()});
       }
-      if (moe_ptr) count_routing(moe);
+      if (moe_ptr && measuring_) moe_stats_.add(moe);
     }
     if (ch.last && le == ch.layer_end()) {
       auto x = st.segments.back().output.detach().requires_grad_(true);
@@ -1055,26 +1055,8 @@ class Engine {
     out.ep = &ep_;
     out.experts = experts_->leaves(l);
     const uint64_t global_mb = uint64_t(dpr_) * uint64_t(grad_accum_) + uint64_t(mb);
-    out.seed = mix_seed({sc_.training.seed, uint64_t(step_), global_mb, uint64_t(l)});
+    out.seed = moe_layer_seed(sc_.training.seed, step_, global_mb, l);
     return &out;
-  }
-  static uint64_t mix_seed(std::initializer_list<uint64_t> parts) {
-    uint64_t h = 0x243F6A8885A308D3ull;
-    for (uint64_t p : parts) {
-      h ^= p + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
-      h *= 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 31;
-    }
-    return h;
-  }
-  void count_routing(const MoeLayer& m) {
-    if (!measuring_) return;
-    moe_tokens_ += double(m.tokens);
-    moe_assignments_ += double(m.assignments);
-    moe_dropped_t_ = moe_dropped_t_.defined() ? moe_dropped_t_ + m.dropped : m.dropped.clone();
-    moe_capacity_ = double(m.capacity);
-    moe_aux_ = moe_aux_.defined() ? moe_aux_ + m.l_aux.detach() : m.l_aux.detach().clone();
-    moe_layer_runs_ += 1;
   }
   // Rank 0 puts every MoE layer's experts together, layer by layer, expert by expert (the one-rank
   // layout): each (stage, expert-parallel rank) of data-parallel replica 0 sends its own.
@@ -1671,8 +1653,8 @@ class Engine {
   std::unique_ptr<ExpertStore> experts_;
   std::unique_ptr<Communicator> ep_comm_, edp_comm_;
   ExpertParallel ep_;
-  at::Tensor expert_step_tensor_, moe_aux_, moe_dropped_t_;
-  double moe_tokens_ = 0, moe_assignments_ = 0, moe_capacity_ = 0, moe_layer_runs_ = 0;
+  at::Tensor expert_step_tensor_;
+  MoeStats moe_stats_;
   Program warm_program_, compressed_program_;  // 1-bit Adam: before / from freeze_step
   bool local_grads_ = false;  // 1-bit Adam's compressed phase: gradients stay on their rank
 };
@@ -1764,25 +1746,7 @@ EngineResult Engine::run() {
   for (const auto& [k, v] : copy_bytes_) res.comm.bytes[k] += v;
   for (const auto& [k, v] : copy_calls_) res.comm.calls[k] += v;
   res.expected_bytes = expected_;
-  if (experts_ && !res.step_seconds.empty()) {
-    // Over every rank's MoE layers and micro-batches (control traffic).
-    const double dropped = moe_dropped_t_.defined() ? moe_dropped_t_.item<double>() : 0.0;
-    auto t = at::tensor({moe_tokens_, moe_assignments_, dropped, moe_layer_runs_,
-                         moe_aux_.defined() ? moe_aux_.item<double>() : 0.0}, at::TensorOptions().dtype(at::kDouble));
-    auto c = at::tensor({moe_capacity_}, at::TensorOptions().dtype(at::kDouble));
-    t = t.to(dev_);
-    c = c.to(dev_);
-    world_.allreduce(t, Purpose::None)->wait();
-    world_.allreduce_max(c, Purpose::None)->wait();
-    const auto v = t.to(at::kCPU);
-    const double runs = v[3].item<double>();
-    if (runs > 0) {
-      res.moe["aux_loss_mean"] = v[4].item<double>() / runs;
-      res.moe["dropped_fraction"] = v[2].item<double>() / v[1].item<double>();
-      res.moe["tokens_per_layer_run"] = v[0].item<double>() / runs;
-      res.moe["capacity"] = c.item<double>();
-    }
-  }
+  if (experts_ && !res.step_seconds.empty()) res.moe = moe_stats_.over_world(world_, dev_);
   if (offload_) {
     const auto st = host_acc_.take_stats();
     res.host_offload["accumulate_seconds"] = st.busy_seconds;

@@ -242,6 +242,43 @@ at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tens
   return out.view({B, S, h});
 }
 
+uint64_t moe_layer_seed(uint64_t seed, int64_t step, uint64_t global_micro_batch, int layer) {
+  uint64_t h = 0x243F6A8885A308D3ull;
+  for (uint64_t p : {seed, uint64_t(step), global_micro_batch, uint64_t(layer)}) {
+    h ^= p + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
+void MoeStats::add(const MoeLayer& m) {
+  tokens_ += double(m.tokens);
+  assignments_ += double(m.assignments);
+  dropped_ = dropped_.defined() ? dropped_ + m.dropped : m.dropped.clone();
+  capacity_ = std::max(capacity_, double(m.capacity));
+  aux_ = aux_.defined() ? aux_ + m.l_aux.detach() : m.l_aux.detach().clone();
+  runs_ += 1;
+}
+
+std::map<std::string, double> MoeStats::over_world(Communicator& world, const torch::Device& dev) const {
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  auto t = at::tensor({tokens_, assignments_, dropped_.defined() ? dropped_.item<double>() : 0.0, runs_,
+                       aux_.defined() ? aux_.item<double>() : 0.0}, f64).to(dev);
+  auto c = at::tensor({capacity_}, f64).to(dev);
+  world.allreduce(t, Purpose::None)->wait();
+  world.allreduce_max(c, Purpose::None)->wait();
+  const auto v = t.to(at::kCPU);
+  std::map<std::string, double> out;
+  const double runs = v[3].item<double>();
+  if (runs <= 0) return out;
+  out["aux_loss_mean"] = v[4].item<double>() / runs;
+  out["dropped_fraction"] = v[2].item<double>() / v[1].item<double>();
+  out["tokens_per_layer_run"] = v[0].item<double>() / runs;
+  out["capacity"] = c.to(at::kCPU).item<double>();
+  return out;
+}
+
 // ---- ExpertStore ----------------------------------------------------------------------------
 
 ExpertStore::ExpertStore(const ModelSpec& m, const std::vector<int>& moe_layers, Communicator* edp, const Options& o)

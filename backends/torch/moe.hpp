@@ -24,6 +24,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -93,6 +94,23 @@ Routing moe_gate(const at::Tensor& tokens, const at::Tensor& gate_w, const Model
 // data-dependent shapes (no host synchronisation).
 at::Tensor moe_dispatch(const at::Tensor& tokens, const Routing& r, int64_t experts);
 at::Tensor moe_combine(const at::Tensor& expert_out, const Routing& r);
+
+// The seed of a MoE layer's gate noise and token selection for one micro-batch: a pure function
+// of (run seed, step, the micro-batch's index in the global batch, layer), so that a layout that
+// splits the batch differently routes every token the same way.
+uint64_t moe_layer_seed(uint64_t seed, int64_t step, uint64_t global_micro_batch, int layer);
+
+// Routing statistics over the measured steps (MoeLayer's outputs, summed on the device without a
+// host synchronisation), and their totals over every rank (control traffic): mean l_aux per
+// layer run, share of assignments dropped, tokens gated per layer run, the largest capacity.
+struct MoeStats {
+  void add(const MoeLayer& m);
+  std::map<std::string, double> over_world(Communicator& world, const torch::Device& dev) const;
+
+ private:
+  at::Tensor aux_, dropped_;
+  double tokens_ = 0, assignments_ = 0, capacity_ = 0, runs_ = 0;
+};
 
 // The MoE MLP of normalised activations x [B, S, h] -> [B, S, h].
 at::Tensor moe_mlp_forward(MoeLayer& layer, const at::Tensor& gate_w, const at::Tensor& x);
