@@ -124,6 +124,7 @@ struct StagePlan {
   std::map<int, int> s3_dense, s3_expert;
   // Stage 3: all-gather calls the engine issues for each group (core/zero3_placement.hpp).
   std::vector<int> s3_dense_calls, s3_expert_calls;
+  std::vector<int> s3_dense_reduces, s3_expert_reduces;  // reduce-scatter calls per group
   std::vector<Action> actions;
 };
 
@@ -491,6 +492,16 @@ class Builder {
     };
     plan.s3_dense_calls = fetch_calls(plan.dense, dspec);
     if (plan.has_expert) plan.s3_expert_calls = fetch_calls(plan.expert, espec);
+    const auto reduce_calls = [&](const ZeroPartition& z, const ZeroPartitionSpec& sp) {
+      std::vector<std::vector<int64_t>> groups;
+      for (const Stage3Group& g : z.stage3_groups) {
+        groups.emplace_back();
+        for (int i : g.tensors) groups.back().push_back(sp.numel[i]);
+      }
+      return zero3_reduce_calls(groups, sc_.zero);
+    };
+    plan.s3_dense_reduces = reduce_calls(plan.dense, dspec);
+    if (plan.has_expert) plan.s3_expert_reduces = reduce_calls(plan.expert, espec);
     for (size_t k = 0; k < plan.dense.stage3_groups.size(); ++k) plan.s3_dense[plan.dense.stage3_groups[k].layer] = int(k);
     if (plan.has_expert)
       for (size_t k = 0; k < plan.expert.stage3_groups.size(); ++k)
@@ -1037,7 +1048,8 @@ class Builder {
             const uint32_t sp_sum = emit_sp_grad_sum(x, f.s3_sp_elems[it->second], it->second, a.mb, a.chunk,
                                                      l, produced, red_stream);
             emit_reduction(x, Op::ReduceScatter, expert, it->second, double(sg.padded_numel()),
-                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream, sp_sum);
+                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream, sp_sum,
+                           (expert ? plan.s3_expert_reduces : plan.s3_dense_reduces)[it->second]);
           }
         }
       } else if (reduce_now) {
@@ -1090,8 +1102,11 @@ class Builder {
     return add(x, in, {produced});
   }
 
+  // `repeat`: the engine's calls for these elements (ZeRO-3: core/zero3_placement.hpp), each
+  // moving an equal share.
   void emit_reduction(RankCtx& x, Op op, bool expert, int bucket, double elems, double mine_elems,
-                      int mb, int chunk, int layer, uint32_t produced, Stream st, uint32_t sp_sum = kNone) {
+                      int mb, int chunk, int layer, uint32_t produced, Stream st, uint32_t sp_sum = kNone,
+                      int repeat = 1) {
     const int grp = expert ? x.edp_g : x.dp_g;
     uint32_t id = kNone;
     if (grp >= 0 && op == Op::ReduceScatter && qgz_ && !expert) {
@@ -1111,7 +1126,8 @@ class Builder {
         in.bucket = bucket;
         in.layer_begin = layer;
         in.layer_count = 1;
-        in.bytes = bytes;
+        in.repeat = repeat;
+        in.bytes = bytes / repeat;
         prev = id = prev == kNone ? add(x, in, {produced, sp_sum}) : add(x, in, {prev});
       }
       x.last_reduce = id;
@@ -1121,7 +1137,8 @@ class Builder {
       in.bucket = bucket;
       in.layer_begin = layer;
       in.layer_count = 1;
-      in.bytes = elems * cg_;  // communication_data_type (default: the compute dtype)
+      in.repeat = repeat;
+      in.bytes = elems * cg_ / repeat;  // communication_data_type (default: the compute dtype)
       id = add(x, in, {produced, sp_sum});
       x.last_reduce = id;
     }

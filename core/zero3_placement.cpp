@@ -1,5 +1,7 @@
 #include "core/zero3_placement.hpp"
 
+#include <algorithm>
+
 namespace dssim {
 
 int zero3_fetch_calls(const std::vector<int64_t>& tensors, const ZeroSpec& z) {
@@ -13,6 +15,24 @@ int zero3_fetch_calls(const std::vector<int64_t>& tensors, const ZeroSpec& z) {
     if (open >= z.prefetch_bucket_size) open = 0;  // the call is full: the next submodule opens one
   }
   return calls == 0 && !tensors.empty() ? 1 : calls;
+}
+
+std::vector<int> zero3_reduce_calls(const std::vector<std::vector<int64_t>>& groups, const ZeroSpec& z) {
+  std::vector<int> calls(groups.size(), 0);
+  if (z.engine == ZeroEngine::fsdp) return std::vector<int>(groups.size(), 1);
+  int64_t open = 0;  // elements in the bucket
+  for (size_t g = groups.size(); g-- > 0;) {
+    for (auto it = groups[g].rbegin(); it != groups[g].rend(); ++it) {
+      if (open > 0 && open + *it > z.reduce_bucket_size) {
+        ++calls[g];
+        open = 0;
+      }
+      open += *it;
+    }
+  }
+  if (open > 0 && !groups.empty()) ++calls[0];  // the epilogue's flush
+  for (int& c : calls) c = std::max(c, 1);
+  return calls;
 }
 
 bool zero3_prefetch(const ZeroSpec& z, int ahead, int64_t in_flight, int64_t next_elems) {

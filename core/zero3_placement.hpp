@@ -13,9 +13,16 @@
 // parameter): so, in steady state, one all-gather per step of at least prefetch_bucket_size
 // elements or one submodule, whichever is larger. Backward re-gathers (the forward released
 // them), and so does an activation-checkpointing recompute, which runs inside backward with the
-// same parameters live. DeepSpeed reduce-scatters gradients per reduce_bucket_size (a larger
-// tensor on its own); the Program reduce-scatters each layer once under ZeRO-3 for both engines
-// (program_builder.cpp), so DeepSpeed's per-bucket split is not modelled yet.
+// same parameters live.
+//
+// Gradients (deepspeed/runtime/zero/stage3.py, reduce_independent_p_g_buckets_and_remove_grads,
+// the same rule from v0.6 to today): each parameter's gradient joins the reduction bucket as its
+// hook fires, in backward order; a bucket holding anything is reduce-scattered first when the new
+// gradient would take it past reduce_bucket_size elements (reduce_scatter_coalesced: one NCCL
+// call per bucket). Every parameter is reduced, persistent ones included. So a matrix larger than
+// the bucket is a call of its own, and so is the run of small tensors between two matrices: a
+// 175B layer is 8 calls with the Azure recipe's 9e7 bucket, where one per layer would pay the
+// ring latency once.
 //
 // FSDP (torch.distributed.fsdp, FULL_SHARD, one FSDP unit per transformer block as llm-foundry
 // and torchtitan wrap it): one all-gather per block (its flat parameter), the next block's
@@ -32,6 +39,14 @@ namespace dssim {
 // parameter sizes (elements, model order; a weight matrix starts a submodule, the small tensors
 // after it are its bias / the next norm). At least 1 when anything is gathered.
 int zero3_fetch_calls(const std::vector<int64_t>& tensors, const ZeroSpec& z);
+
+// Gradient reduce-scatter calls per layer group. `groups` holds each group's parameter sizes in
+// model order, groups in model order; gradients arrive from the last group's last tensor. A call
+// counts to the group whose gradient triggers the flush (the final flush at the end of the
+// backward to the first group); every group counts at least 1, so that its instruction carries its
+// bytes (a group whose tensors all ride in a later group's call costs one call too many). FSDP: one
+// reduce-scatter per wrapped block.
+std::vector<int> zero3_reduce_calls(const std::vector<std::vector<int64_t>>& groups, const ZeroSpec& z);
 
 // Prefetch: whether the gather of a segment of `next_elems` elements is issued while `in_flight`
 // elements of later segments are already in flight, `ahead` segments ahead of the running one.

@@ -1485,9 +1485,11 @@ class Engine {
       // Issued inside the compute (tensor_parallel.cpp, moe.cpp).
       if (moe_a2a) ep_.expect(in.purpose, in.bytes, in.repeat);
       else if (ledger_only) tp_.expect(in.op, in.bytes, in.repeat);
-      // A ZeRO-3 layer's `repeat` fetch all-gathers (DeepSpeed's per-submodule calls) run here as
-      // one all-gather of the whole group: the same bytes in fewer calls.
-      const bool one_call = in.op == Op::AllGather && in.purpose == Purpose::ParamGather;
+      // A ZeRO-3 layer's `repeat` fetch all-gathers (DeepSpeed's per-submodule calls) and gradient
+      // reduce-scatters (its per-bucket calls) run here as one collective of the whole group: the
+      // same bytes in fewer calls.
+      const bool one_call = (in.op == Op::AllGather && in.purpose == Purpose::ParamGather) ||
+                            in.purpose == Purpose::GradientReduce;
       const int reps = ledger_only ? 0 : one_call ? 1 : std::max(1, in.repeat);
       for (int rep = 0; rep < reps; ++rep) {
         switch (in.op) {

@@ -330,7 +330,7 @@ TEST_CASE("program: Llama-shaped ZeRO partitions hold exactly the parameter coun
         // ZeRO-3: 2 all-gathers and 1 reduce-scatter of the whole 16-bit model per micro-batch.
         double volume = 0;
         for (const Instruction& in : rp.instructions)
-          if (in.op == Op::AllGather || in.op == Op::ReduceScatter) volume += in.bytes;
+          if (in.op == Op::AllGather || in.op == Op::ReduceScatter) volume += in.bytes * in.repeat;
         CHECK(volume == Approx(3 * 4 * psi * 2));
       }
     }

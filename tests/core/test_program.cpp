@@ -315,7 +315,7 @@ TEST_CASE("program: ZeRO-3 moves 3 psi per micro-batch (2 all-gathers + 1 reduce
     double volume = 0;
     int gathers = 0;
     for (const Instruction& in : rp.instructions) {
-      if (in.op == Op::AllGather || in.op == Op::ReduceScatter) volume += in.bytes;
+      if (in.op == Op::AllGather || in.op == Op::ReduceScatter) volume += in.bytes * in.repeat;
       if (in.op == Op::AllGather) ++gathers;
     }
     CHECK(volume == Approx(3 * 4 * psi * 2));
@@ -969,7 +969,7 @@ TEST_CASE("program: ZeRO++ qgZ replaces the reduce-scatter by int4 all-to-alls w
       CHECK(ge.ranks == std::vector<int>{r % 4, r % 4 + 4});
     }
     // on the wire: 3/4 * N/2 over NVLink, 1/2 * N/8 across nodes, vs 7/8 * 2N for the reduce-scatter
-    const double n = rs.size() ? [&] { double s = 0; for (auto* in : rs) s += in->bytes / 2; return s; }() : 0;
+    const double n = rs.size() ? [&] { double s = 0; for (auto* in : rs) s += in->bytes * in->repeat / 2; return s; }() : 0;
     CHECK(wire(p, p.ranks[r], Purpose::GradientReduce) == Approx(0.75 * n * 0.5 + 0.5 * n * 0.5 / 4));
     CHECK(wire(base, base.ranks[r], Purpose::GradientReduce) == Approx(7.0 / 8 * 2 * n));
   }

@@ -46,6 +46,33 @@ TEST_CASE("DeepSpeed fetches a layer per submodule, coalescing up to the prefetc
   CHECK(zero3_fetch_calls(gpt_layer(12288), f) == 1);
 }
 
+TEST_CASE("DeepSpeed reduce-scatters a bucket before a gradient would overflow it", "[zero3]") {
+  ZeroSpec z;
+  z.stage = 3;
+  z.reduce_bucket_size = 90'000'000;  // the Azure recipe's 9e7
+  // Two 175B layers, gradients from the last tensor: fc2.b joins the previous layer's ln1 (or
+  // opens the bucket), then every matrix is a call of its own and so is the run of small tensors
+  // before it: [.. fc2.b] [fc2.w] [fc1.b] [fc1.w] [ln2.b ln2.w proj.b] [proj.w] [qkv.b] [qkv.w],
+  // and [ln1.b ln1.w] rides with the next layer's fc2.b (the first layer's at the epilogue).
+  const std::vector<std::vector<int64_t>> two = {gpt_layer(12288), gpt_layer(12288)};
+  CHECK(zero3_reduce_calls(two, z) == std::vector<int>{9, 8});
+  // A bucket larger than the whole model: one call at the end of the backward, counted to the first
+  // group; every other group still carries its bytes in one instruction.
+  z.reduce_bucket_size = int64_t(1) << 40;
+  CHECK(zero3_reduce_calls(two, z) == std::vector<int>{1, 1});
+  // Buckets span layers: 1.3B (h 2048) layers with a 2e7 bucket. The last layer flushes at fc1.w
+  // ([fc2.b fc2.w fc1.b]) and at proj.w ([fc1.w ln2 proj.b]); [proj.w qkv.b qkv.w ln1] stays open
+  // and flushes at the previous layer's fc2.w: 3 a layer from then on, 2 for the last, and the
+  // first adds the epilogue's.
+  z.reduce_bucket_size = 20'000'000;
+  CHECK(zero3_reduce_calls(std::vector<std::vector<int64_t>>(4, gpt_layer(2048)), z) == std::vector<int>{4, 3, 3, 2});
+  // FSDP: one reduce-scatter per block.
+  ZeroSpec f;
+  f.stage = 3;
+  f.engine = ZeroEngine::fsdp;
+  CHECK(zero3_reduce_calls(two, f) == std::vector<int>{1, 1});
+}
+
 TEST_CASE("prefetch windows: DeepSpeed's bucket, FSDP's one block", "[zero3]") {
   ZeroSpec z;
   z.stage = 3;
@@ -97,6 +124,31 @@ TEST_CASE("the Program's ZeRO-3 gathers: repeat = the engine's fetch calls, same
     CHECK(gathers == 2 * 96);
     // 2 bytes per parameter of the layer gathered twice (forward, backward), padding aside.
     CHECK(bytes == Approx(2.0 * 2 * 175e9).epsilon(0.01));
+  }
+}
+
+TEST_CASE("the Program's ZeRO-3 reduce-scatters: repeat = DeepSpeed's bucket flushes, same bytes", "[zero3]") {
+  for (const std::string engine : {"deepspeed", "fsdp"}) {
+    LoadOptions lo;
+    lo.overrides = {"zero.engine=" + engine, "zero.reduce_bucket_size=9e7"};
+    const Scenario sc = load_scenario_from_string(kAzure175b, lo);
+    BuildOptions bo;
+    bo.representative_only = true;
+    const Program p = build_program(sc, bo);
+    int instructions = 0, calls = 0;
+    double bytes = 0;
+    for (const Instruction& in : p.ranks[0].instructions)
+      if (in.op == Op::ReduceScatter && in.purpose == Purpose::GradientReduce) {
+        ++instructions;
+        calls += in.repeat;
+        bytes += in.bytes * in.repeat;
+        if (in.layer_begin > 0 && in.layer_begin < 95) CHECK(in.repeat == (engine == "fsdp" ? 1 : 8));
+      }
+    CHECK(instructions >= 96);  // one per layer group (plus the embedding / final norm groups)
+    if (engine == "deepspeed") CHECK(calls > 8 * 94);
+    else CHECK(calls == instructions);
+    // Every parameter's fp16 gradient once, padding aside.
+    CHECK(bytes == Approx(2.0 * 175e9).epsilon(0.01));
   }
 }
 
