@@ -311,14 +311,21 @@ PY
     export DSSIM_CPU_THREADS=1
     run compare scenarios/tiny/tiny_pp3.yaml --backend cpu --nproc 3 --steps 6 --record "$TMP/outdir/rec.json"
     expect_rc 0
-    for row in forward backward send recv bubble; do expect_out "^ +$row +[0-9.]+ s +[0-9.]+ s"; done
+    # The table leaves out kinds under 0.1% of the iteration on both sides, and a loaded machine
+    # stretches the measured iteration: the messages' rows are checked in the record instead.
+    for row in forward backward; do expect_out "^ +$row +[0-9.]+ s +[0-9.]+ s"; done
     run compare --measured "$TMP/outdir/rec.json" --json
     expect_rc 0
-    python3 - "$TMP/out" <<'PY' || fail "compare check failed"
+    python3 - "$TMP/out" "$TMP/outdir/rec.json" <<'PY' || fail "compare check failed"
 import json, sys
 kinds = {k["kind"]: k for k in json.load(open(sys.argv[1]))["kinds"]}
-for k in ("forward", "backward", "send", "recv", "bubble"):
+for k in ("forward", "backward"):
     assert kinds[k]["measured_seconds"] > 0 and kinds[k]["simulated_seconds"] > 0, (k, kinds.get(k))
+rec = json.load(open(sys.argv[2]))["report"]
+measured = rec["extras"]["measured"]["seconds_per_iteration_by_instruction"]
+for k in ("send", "recv"):
+    assert measured.get(k, 0) > 0, (k, measured)
+assert rec["time_seconds"]["bubble"] > 0, rec["time_seconds"]
 PY
     ;;
   compare_offload_record)
