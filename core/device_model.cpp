@@ -141,8 +141,8 @@ double DeviceModel::collective_local_seconds(const Instruction& inst) const {
 double DeviceModel::backward_gemm_seconds(const LayerOp& op) const {
   if (profile_ && !op.attention_core)
     if (auto t = profile_->backward_gemm_seconds(op, dtype_)) return *t;
-  // Input and weight gradient, each as costly as the forward GEMM.
-  return 2 * kernel_seconds(op);
+  // Input and weight gradient, each as costly as the forward GEMM (a frozen weight: input only).
+  return (op.frozen ? 1 : 2) * kernel_seconds(op);
 }
 
 double DeviceModel::host_seconds(const Instruction& inst) const {

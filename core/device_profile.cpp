@@ -318,6 +318,7 @@ std::optional<double> DeviceProfile::kernel_seconds(const LayerOp& op, Dtype dty
 std::optional<double> DeviceProfile::backward_gemm_seconds(const LayerOp& op, Dtype dtype) const {
   if (!op.gemm || op.attention_core || op.flops <= 0) return std::nullopt;
   const auto dgrad = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch, GemmPass::dgrad);
+  if (dgrad && op.frozen) return op.flops / *dgrad;  // a frozen weight: no weight gradient
   const auto wgrad = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch, GemmPass::wgrad);
   if (!dgrad || !wgrad) return std::nullopt;
   return op.flops / *dgrad + op.flops / *wgrad;

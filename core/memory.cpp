@@ -21,6 +21,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/finetune.hpp"
 #include "core/model.hpp"
 
 namespace dssim {
@@ -143,10 +144,23 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
   auto module = [&](double elems) { p.largest_module = std::max(p.largest_module, elems); };
   auto small = [&](double elems) { if (elems < threshold) p.persistent += elems; };
 
+  const FinetuneSpec& ft = sc.finetune;
+  const bool frozen_any = ft.freezes_anything();
   const StageLayers range = stage_layers(sc, stage);
   for (int i = range.first; i < range.last; ++i) {
     const double before = p.dense + p.expert;
     const bool moe = is_moe_layer(m, i);
+    if (frozen_any) {
+      // What trains of this layer (adapters are added to dense below, after the base's module
+      // sizes): attention, norms, the MLP or its experts and gate, as FinetuneSpec says.
+      p.trainable_dense += layer_trainable_params(m, ft, t);
+      if (moe && base_trains(m, ft, BasePart::mlp)) {
+        p.trainable_dense += h * m.experts - expert_mlp_params(m) / t;  // the gate, not a dense MLP
+        p.trainable_expert += std::ceil(m.experts / ep) * expert_mlp_params(m);
+      }
+      p.dense += layer_adapter_params(m, ft);
+      for (const LoraAdapter& a : layer_adapters(m, ft)) small(ft.rank * a.in), small(ft.rank * a.out);  // A, B
+    }
     // Megatron TP splits every weight matrix and the column-parallel biases by t; LayerNorms and
     // row-parallel biases are replicated. We divide the whole layer by t (error O(h) per layer).
     const double attention_and_norms = dense_layer_params(m) - expert_mlp_params(m);
@@ -182,6 +196,15 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
     p.largest_block = std::max(p.largest_block, p.dense + p.expert - before);
   }
   const bool first = stage == 0, last = stage == pp - 1;
+  if (frozen_any) {
+    if (first && base_trains(m, ft, BasePart::embedding)) p.trainable_dense += v * h / t + (m.rotary ? 0 : s * h);
+    if (last) {
+      if (base_trains(m, ft, BasePart::norm)) p.trainable_dense += norm_params(m);
+      if ((!m.tied_embeddings || (pp > 1 && !first)) && base_trains(m, ft, BasePart::head)) p.trainable_dense += v * h / t;
+      p.trainable_dense += head_adapter_params(m, ft);
+      p.dense += head_adapter_params(m, ft);
+    }
+  }
   if (first) {
     p.dense += v * h / t + (m.rotary ? 0 : s * h);  // vocab-parallel word embedding + positions
     p.largest_block = std::max(p.largest_block, v * h / t + (m.rotary ? 0 : s * h));
@@ -199,6 +222,7 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
       module(v * h / t);
     }
   }
+  if (!frozen_any) p.trainable_dense = p.dense, p.trainable_expert = p.expert;
   return p;
 }
 
@@ -223,7 +247,11 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   const StageParameters sp = stage_parameters(sc, stage);
   const double psi = sp.total();
   const double shard = sp.dense / dp + sp.expert / expert_dp;  // ZeRO partition of this GPU
-  const double opt_elems = zstage >= 1 ? shard : psi;          // optimizer states sharded by stage >= 1
+  // What trains (core/finetune.hpp; everything unless something is frozen): gradients, optimizer
+  // states and the reduction buffers follow it; frozen parameters keep only their compute copy.
+  const double train = sp.trainable();
+  const double train_shard = sp.trainable_dense / dp + sp.trainable_expert / expert_dp;
+  const double opt_elems = zstage >= 1 ? train_shard : train;  // optimizer states sharded by stage >= 1
   MemoryBreakdown mb;
 
   // Parameters [Z]: full copy for stages 0-2; stage 3 keeps its shard plus what is gathered.
@@ -256,9 +284,9 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // dssim's ZeRO-3 engine keeps no 16-bit gradients between layers: each layer group's are reduced
   // (or folded) into the fp32 buffer after its backward (see temporaries).
   if (zstage < 2)
-    mb.grads = gb * psi;
+    mb.grads = gb * train;
   else if (zstage == 2)
-    mb.grads = z.offload_optimizer ? 0 : gb * shard;
+    mb.grads = z.offload_optimizer ? 0 : gb * train_shard;
   // [DS bf16_optimizer.py] DeepSpeed's BF16_Optimizer (bf16, ZeRO 0/1) keeps a persistent fp32
   // gradient buffer (grad_acc_dtype fp32) besides the 16-bit gradients; dssim's torch engine does
   // so for every 16-bit dtype at stages 0, 1 and 3, for the rank's optimizer shard (the reduced
@@ -269,7 +297,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // with dp = 1, the runs measured here).
   const bool fp32_grad_buffer = mixed && zstage != 2 && !z.offload_optimizer;
   const bool bf16_optimizer = sc.precision.dtype == Dtype::bf16 && zstage < 2;
-  if (fp32_grad_buffer) mb.grads += 4 * (bf16_optimizer ? psi : opt_elems);
+  if (fp32_grad_buffer) mb.grads += 4 * (bf16_optimizer ? train : opt_elems);
 
   // Optimizer states [Z], or on the host with ZeRO-Offload [ZO]: fp32 params + m + v + fp32 grad
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
@@ -279,7 +307,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     mb.optimizer = kb * opt_elems;
     // 1-bit Adam [DS onebit/adam.py]: fp32 worker error (whole flat buffer) and server error
     // (1/n of it) for the error-compensated compressed all-reduce.
-    if (sc.optimizer.kind == OptimizerKind::onebit_adam) mb.optimizer += 4 * psi + 4 * psi / dp;
+    if (sc.optimizer.kind == OptimizerKind::onebit_adam) mb.optimizer += 4 * train + 4 * train / dp;
   }
   if (zstage == 3 && z.offload_param) mb.host += pb * shard;  // 16-bit params live on the host
 
@@ -296,6 +324,9 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   const double in_flight = in_flight_micro_batches(pp, stage, par.interleave, micro_batches_of(sc));
   // [K] 4.3: the embedding dropout mask (1 byte) of every in-flight micro-batch on stage 0.
   if (stage == 0 && m.has_dropout()) per_micro_batch += s * b * h / sp_div;
+  // LoRA adapters' saved tensors (core/finetune.hpp); a full recompute keeps only the layer input.
+  if (sc.recompute != Recompute::full)
+    per_micro_batch += range.count() * lora_activation_bytes_per_layer(m, sc.finetune, b, sc.precision.dtype);
   mb.activations = per_micro_batch * in_flight;
   // [K] 4.3: the last stage keeps the final LayerNorm input and the output-layer input (4 s b h / t
   // with SP) of the one micro-batch whose backward follows its forward.
@@ -304,7 +335,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Communication buffers (none for data parallelism on one rank: nothing is reduced or gathered).
   // [DS stage_1_and_2 / stage3] ipg gradient bucket of reduce_bucket_size elements, double-buffered
   // with overlap_comm; stage 0's engine flattens gradients in buckets of the same size (one at a time).
-  const double reduce_bucket = std::min(static_cast<double>(z.reduce_bucket_size), psi);
+  const double reduce_bucket = std::min(static_cast<double>(z.reduce_bucket_size), train);
   if (dp > 1) {
     if (zstage == 0)
       mb.comm_buffers += gb * reduce_bucket;
@@ -312,7 +343,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
       mb.comm_buffers += gb * reduce_bucket * (z.overlap_comm ? 2 : 1);
     // [DS stage_1_and_2] the updated 16-bit partitions are all-gathered in allgather_bucket_size chunks.
     if (zstage == 1 || zstage == 2)
-      mb.comm_buffers += pb * std::min(static_cast<double>(z.allgather_bucket_size), psi);
+      mb.comm_buffers += pb * std::min(static_cast<double>(z.allgather_bucket_size), train);
   }
   // [M] pipeline p2p: receive buffers for the forward activation and the backward gradient of one
   // micro-batch, s b h (/t with the scatter-gather optimisation under SP).
@@ -330,8 +361,12 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // (or, on one rank, the fold into the fp32 buffer) frees them: at the head's backward, the last
   // layer's group and the tied embedding's (the largest module and two layers); with a
   // reduce-scatter in flight, its input copy too.
-  if (zstage == 3)
-    backward_transient += gb * (sp.largest_module + 2 * dense_layer_params(m) / t) * (dp > 1 ? 2 : 1);
+  if (zstage == 3) {
+    const double grads_at_once = sc.finetune.freezes_anything()
+                                     ? 3 * layer_trainable_params(m, sc.finetune, t)  // only trainable gradients
+                                     : sp.largest_module + 2 * dense_layer_params(m) / t;
+    backward_transient += gb * grads_at_once * (dp > 1 ? 2 : 1);
+  }
   // Recompute working set: the layer being recomputed materialises its full activations (full) or
   // its attention core (selective) for one micro-batch.
   if (sc.recompute != Recompute::none) {

@@ -44,7 +44,11 @@ struct StageParameters {
   double largest_module = 0;  // largest single module's elements (what ZeRO-3 gathers at once)
   double largest_block = 0;   // largest transformer layer's (FSDP unit's) elements, embedding / head included
   double persistent = 0;      // ZeRO-3: elements of tensors under param_persistence_threshold
+  // Fine-tuning (core/finetune.hpp): the elements that train (gradients, optimizer states); LoRA
+  // adapters are in dense too. Equal to dense / expert when nothing is frozen.
+  double trainable_dense = 0, trainable_expert = 0;
   double total() const { return dense + expert; }
+  double trainable() const { return trainable_dense + trainable_expert; }
 };
 StageParameters stage_parameters(const Scenario& sc, int stage);
 

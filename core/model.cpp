@@ -14,6 +14,8 @@
 //       (arXiv:2407.21783, Table 3: the Llama 3 shapes).
 #include "core/model.hpp"
 
+#include "core/finetune.hpp"
+
 #include <algorithm>
 #include <cmath>
 
@@ -368,6 +370,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   if (m.bias) ops.push_back(bias_grads_op(tokens, qkv_width / t + h + (mlp_matrices(m) - 1) * f / t + h, e));
   ops.push_back(grad_accumulate_op(dense_layer_params(m) / t, e));
   for (auto& op : ops) op.in_layer = true;
+  finetune_layer_ops(ops, m, shape);
   return ops;
 }
 
@@ -393,6 +396,7 @@ std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape&
   if (m.has_dropout())
     ops.push_back(elementwise_op("embedding_dropout", norm_tokens * h, 1, 2 * e + kMaskBytesPerElement));
   ops.push_back(grad_accumulate_op(m.vocab / t * h + (m.rotary ? 0 : s * h), e));  // word and position tables
+  finetune_embedding_ops(ops, m, shape);
   return ops;
 }
 
@@ -417,6 +421,7 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   ops.push_back(ce);
   // The tied / untied output embedding's and final LayerNorm's weight gradients into the buffer.
   ops.push_back(grad_accumulate_op(v / t * h + norm_params(m), e));
+  finetune_head_ops(ops, m, shape);
   return ops;
 }
 
@@ -447,11 +452,11 @@ OpsCost sum_cost(const std::vector<LayerOp>& ops) {
 OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
   OpsCost c;
   for (const auto& op : forward_ops) {
-    const double f = op.backward_only ? 1 : 2;
+    const double f = op.backward_only || op.frozen ? 1 : 2;  // a frozen weight: dgrad only
     c.flops += f * op.flops;
     if (op.gemm) c.gemm_flops += f * op.flops;
-    c.memory_bytes += op.gemm ? 2 * op.memory_bytes : op.backward_memory_bytes();
-    c.kernels += op.gemm ? 2 : 1;
+    c.memory_bytes += op.gemm ? f * op.memory_bytes : op.backward_memory_bytes();
+    c.kernels += op.gemm ? int(f) : 1;
   }
   return c;
 }

@@ -64,6 +64,7 @@ struct LayerOp {
   // no recompute; its memory_bytes are its backward bytes.
   bool backward_only = false;
   bool in_layer = false;  // a transformer layer's (full recompute re-runs these, not embedding / head)
+  bool frozen = false;    // GEMM of a frozen weight: backward computes the input gradient only (no wgrad)
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }
@@ -76,6 +77,9 @@ struct LayerShape {
   Dtype dtype = Dtype::bf16;
   bool moe = false;        // this layer's MLP is a MoE (tokens routed to top_k experts)
   int ep = 1;
+  // Fine-tuning (core/finetune.hpp): frozen GEMMs, LoRA adapters' ops, only trainable gradients
+  // accumulated. nullptr: everything trains.
+  const FinetuneSpec* finetune = nullptr;
 };
 
 // Forward ops of one transformer layer on one GPU (the layer's TP shard), in execution order:
@@ -87,6 +91,9 @@ struct LayerShape {
 // moe_dispatch, mlp_up and mlp_down batched over the ep-local experts (the GPU's b s / t tokens x
 // top_k x capacity_factor, DeepSpeed drops TP-duplicate tokens), gelu, moe_combine. The all-to-alls
 // and TP collectives are not ops: the schedule places them. Backward: backward_cost().
+// Fine-tuning (shape.finetune): frozen weights' GEMMs marked `frozen`, each adapter's ops
+// (lora_forward_ops) after its base GEMM, bias gradients and grad_accumulate for trainable
+// parameters only.
 std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& shape);
 // Forward ops of the embedding (first stage) and of the LM head + loss (last stage).
 std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape);
@@ -98,7 +105,7 @@ struct OpsCost {
   OpsCost& operator+=(const OpsCost& o);
 };
 OpsCost sum_cost(const std::vector<LayerOp>& ops);
-OpsCost backward_cost(const std::vector<LayerOp>& forward_ops);     // 2x GEMM FLOPs, backward bytes
+OpsCost backward_cost(const std::vector<LayerOp>& forward_ops);     // 2x GEMM FLOPs (frozen: 1x), backward bytes
 OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r);  // selective: attention core only
 
 }  // namespace dssim

@@ -41,6 +41,7 @@
 #include "core/pipeline_engine.hpp"
 #include "core/schedule.hpp"
 #include "core/zero_partition.hpp"
+#include "core/finetune.hpp"
 #include "core/zero3_placement.hpp"
 
 namespace dssim {
@@ -73,6 +74,9 @@ struct Tensor {
   // The word embedding (first chunk) or its tied copy (last chunk): summed over the embedding
   // group (EmbeddingSync) before its data-parallel reduction.
   bool tied = false;
+  // Fine-tuning (core/finetune.hpp): a frozen tensor has no gradient and no optimizer state; ZeRO
+  // 0-2 leave it out of the partition, ZeRO-3 still shards and gathers it.
+  bool trainable = true;
 };
 
 // A contiguous run of layers computed by one Forward / Backward instruction.
@@ -269,16 +273,27 @@ class Builder {
     const int64_t qkv = h + 2 * static_cast<int64_t>(kv_width(m_));  // 3h without GQA
     const bool bias = m_.bias;
     std::vector<Tensor> ts;
+    const FinetuneSpec& ft = sc_.finetune;
+    // Marks the tensors pushed since `from` with whether `part` trains (core/finetune.hpp).
+    const auto trains = [&](size_t from, BasePart part) {
+      const bool tr = base_trains(m_, ft, part);
+      for (size_t i = from; i < ts.size(); ++i) ts[i].trainable = tr;
+    };
     auto norm = [&] {
+      const size_t from = ts.size();
       ts.push_back({h, layer, false, true});                     // gain
       if (!m_.rmsnorm) ts.push_back({h, layer, false, true});    // bias (LayerNorm)
+      trains(from, BasePart::norm);
     };
     norm();                                                      // layernorm_1
+    size_t from = ts.size();
     ts.push_back({qkv * h / t, layer, false});                   // qkv
     if (bias) ts.push_back({qkv / t, layer, false});
     ts.push_back({h * h / t, layer, false});                     // attention projection
     if (bias) ts.push_back({h, layer, false, true});
+    trains(from, BasePart::attention);
     norm();                                                      // layernorm_2
+    from = ts.size();
     const int up_mats = mlp_matrices(m_) - 1;                    // up (+ gate with SwiGLU)
     if (is_moe_layer(m_, layer)) {
       ts.push_back({h * m_.experts, layer, false});  // gate (replicated)
@@ -299,6 +314,12 @@ class Builder {
       ts.push_back({h * f / t, layer, false});
       if (bias) ts.push_back({h, layer, false, true});  // MLP down bias (row-parallel)
     }
+    trains(from, BasePart::mlp);
+    // LoRA adapters (A then B of each), trainable (tp 1: core/validate refuses LoRA with tp > 1).
+    for (const LoraAdapter& a : layer_adapters(m_, ft)) {
+      ts.push_back({int64_t(ft.rank) * int64_t(a.in), layer, false});
+      ts.push_back({int64_t(a.out) * int64_t(ft.rank), layer, false});
+    }
     return ts;
   }
 
@@ -316,6 +337,7 @@ class Builder {
     shape.sequence_parallel = sc_.parallel.sequence_parallel;
     shape.dtype = sc_.precision.dtype;
     shape.ep = sc_.parallel.ep;
+    shape.finetune = &sc_.finetune;
     std::vector<LayerOp> ops;
     if (seg.embedding) {
       auto e = embedding_forward_ops(m_, shape);
@@ -336,9 +358,18 @@ class Builder {
       // buffer in every micro-batch's backward, and zero-fills the next micro-batch's: 2g + 8 bytes
       // per parameter (the optimizer step then has no fold of its own).
       const double h = m_.hidden, t = t_;
+      const FinetuneSpec& ft = sc_.finetune;
       double params = seg.layer_count * dense_layer_params(m_) / t;
       if (seg.embedding) params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
       if (seg.head) params += norm_params(m_) + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
+      if (ft.freezes_anything()) {  // only trainable gradients are folded
+        params = seg.layer_count * layer_trainable_params(m_, ft, t);
+        if (seg.embedding && base_trains(m_, ft, BasePart::embedding))
+          params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
+        if (seg.head)
+          params += (base_trains(m_, ft, BasePart::norm) ? norm_params(m_) : 0.0) + head_adapter_params(m_, ft) +
+                    (!m_.tied_embeddings && base_trains(m_, ft, BasePart::head) ? double(m_.vocab) / t * h : 0.0);
+      }
       LayerOp fold;
       fold.name = "zero3_gradient_fold";
       // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
@@ -394,9 +425,11 @@ class Builder {
       ch.first = ch.vs == 0;
       ch.last = ch.vs == last_vs;
       const int64_t h = m_.hidden;
+      const FinetuneSpec& ft = sc_.finetune;
       if (ch.first) {
-        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false, false, true});  // wte
-        if (!m_.rotary) tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true});  // wpe
+        const bool tr = base_trains(m_, ft, BasePart::embedding);
+        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false, false, true, tr});  // wte
+        if (!m_.rotary) tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true, false, tr});  // wpe
       }
       for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) {
         auto lt = layer_tensors(l);
@@ -404,20 +437,29 @@ class Builder {
       }
       if (ch.last) {
         const int ll = ch.layer_begin + ch.layer_count - 1;
-        tensors.push_back({h, ll, false, true});  // final layer norm (gain, bias) / RMSNorm (gain)
-        if (!m_.rmsnorm) tensors.push_back({h, ll, false, true});
+        const bool norm_tr = base_trains(m_, ft, BasePart::norm);
+        tensors.push_back({h, ll, false, true, false, norm_tr});  // final layer norm (gain, bias) / RMSNorm (gain)
+        if (!m_.rmsnorm) tensors.push_back({h, ll, false, true, false, norm_tr});
         if (!m_.tied_embeddings || (p_ > 1 && !ch.first))  // output layer or the tied copy
-          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false, false, m_.tied_embeddings});
+          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false, false, m_.tied_embeddings,
+                             base_trains(m_, ft, BasePart::head)});
+        if (const double hp = head_adapter_params(m_, ft); hp > 0) {  // lm_head adapter: A [r, h], B [V, r]
+          tensors.push_back({int64_t(ft.rank) * h, ll, false});
+          tensors.push_back({int64_t(m_.vocab) * ft.rank, ll, false});
+        }
       }
       plan.chunks.push_back(ch);
     }
     // ZeRO partitions, dense (DP group) and expert (expert-DP group).
     ZeroPartitionSpec dspec, espec;
     std::vector<const Tensor*> dtensors, etensors;  // the specs' tensors, in spec order
+    const bool frozen_any = sc_.finetune.freezes_anything();
     for (const Tensor& t : tensors) {
+      if (!t.trainable && zero_ < 3) continue;  // replicated, never reduced or stepped
       ZeroPartitionSpec& sp = t.expert ? espec : dspec;
       sp.numel.push_back(t.numel);
       sp.layer.push_back(t.layer);
+      if (frozen_any) sp.trainable.push_back(t.trainable);
       (t.expert ? etensors : dtensors).push_back(&t);
     }
     // Stage 0 (and 1-bit) all-reduces the whole unpadded buffer: partition over one rank.
@@ -496,7 +538,8 @@ class Builder {
       std::vector<std::vector<int64_t>> groups;
       for (const Stage3Group& g : z.stage3_groups) {
         groups.emplace_back();
-        for (int i : g.tensors) groups.back().push_back(sp.numel[i]);
+        for (int i : g.tensors)
+          if (sp.trainable.empty() || sp.trainable[i]) groups.back().push_back(sp.numel[i]);  // frozen: no gradient
       }
       return zero3_reduce_calls(groups, sc_.zero);
     };
@@ -1047,8 +1090,9 @@ class Builder {
             const BucketFlags& f = expert ? plan.expert_flags : plan.dense_flags;
             const uint32_t sp_sum = emit_sp_grad_sum(x, f.s3_sp_elems[it->second], it->second, a.mb, a.chunk,
                                                      l, produced, red_stream);
-            emit_reduction(x, Op::ReduceScatter, expert, it->second, double(sg.padded_numel()),
-                           double(sg.shard_numel), a.mb, a.chunk, l, produced, red_stream, sp_sum,
+            if (sg.trainable_numel == 0) continue;  // every tensor of the group frozen: no gradient
+            emit_reduction(x, Op::ReduceScatter, expert, it->second, double(sg.trainable_padded_numel()),
+                           double(sg.trainable_shard_numel), a.mb, a.chunk, l, produced, red_stream, sp_sum,
                            (expert ? plan.s3_expert_reduces : plan.s3_dense_reduces)[it->second]);
           }
         }
@@ -1245,9 +1289,9 @@ class Builder {
     return (double(shard) + 4.0 * double((shard + kQwzBlock - 1) / kQwzBlock)) * n;
   }
 
-  static int64_t s3_shard(const ZeroPartition& z) {
+  static int64_t s3_shard(const ZeroPartition& z) {  // what the optimizer steps: trainable elements
     int64_t n = 0;
-    for (const auto& g : z.stage3_groups) n += g.shard_numel;
+    for (const auto& g : z.stage3_groups) n += g.trainable_shard_numel;
     return n;
   }
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "core/finetune.hpp"
 #include "core/model.hpp"
 #include "core/pipeline_partition.hpp"
 #include "core/program_builder.hpp"
@@ -15,10 +16,13 @@ void fill_throughput(const Scenario& sc, Report& r) {
   const double gpus = sc.cluster.world();
   const double peak = sc.precision.dtype == Dtype::fp32 ? sc.cluster.gpu.peak_flops_32
                                                        : sc.cluster.gpu.peak_flops_16;
-  r.parameters = parameter_count(sc.model);
+  r.parameters = total_parameter_count(sc.model, sc.finetune);
+  r.trainable_parameters = trainable_parameter_count(sc.model, sc.finetune);
   r.gpu_memory_bytes = sc.cluster.gpu.memory_bytes;
-  r.model_flops_per_iteration = model_flops_per_iteration(sc.model, batch);
-  r.hardware_flops_per_iteration = hardware_flops_per_iteration(sc.model, batch, sc.recompute);
+  r.model_flops_per_iteration = model_flops_per_iteration(sc.model, batch) +
+                                finetune_flops_delta(sc.model, sc.finetune, batch, sc.recompute, false);
+  r.hardware_flops_per_iteration = hardware_flops_per_iteration(sc.model, batch, sc.recompute) +
+                                   finetune_flops_delta(sc.model, sc.finetune, batch, sc.recompute, true);
   if (r.iteration_seconds <= 0) return;
   r.samples_per_second = batch / r.iteration_seconds;
   r.tokens_per_second = r.samples_per_second * sc.model.seq_len;
@@ -177,6 +181,25 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
   if (m.swiglu) model += ", SwiGLU";
   if (m.is_moe()) model += ", " + std::to_string(m.experts) + " experts top-" + std::to_string(m.top_k);
   line(o, "model", model + ")");
+  if (sc.finetune.freezes_anything()) {
+    const auto& ft = sc.finetune;
+    std::string what;
+    if (ft.lora()) {
+      std::string targets;
+      for (LoraTarget t : lora_targets(m, ft)) targets += (targets.empty() ? "" : ", ") + std::string(to_string(t));
+      what = "LoRA r " + std::to_string(ft.rank) + " on " + targets + ", base frozen";
+    } else {
+      std::string parts;
+      const std::pair<bool, const char*> fz[] = {{ft.freeze_embeddings, "embeddings"}, {ft.freeze_norms, "norms"},
+                                                 {ft.freeze_attention, "attention"}, {ft.freeze_mlp, "mlp"},
+                                                 {ft.freeze_head, "lm_head"}};
+      for (const auto& [on, name] : fz)
+        if (on) parts += (parts.empty() ? "" : ", ") + std::string(name);
+      what = "full, frozen: " + parts;
+    }
+    line(o, "fine-tuning", human_count(r.trainable_parameters) + " trainable parameters (" +
+                               fmt("%.3g %%", 100 * r.trainable_parameters / r.parameters) + "), " + what);
+  }
   line(o, "GPUs", std::to_string(sc.cluster.world()) + " x " + sc.cluster.gpu.name + " (" +
                       std::to_string(sc.cluster.nodes) + " nodes x " + std::to_string(sc.cluster.gpus_per_node) + ")");
   line(o, "parallelism", "TP " + std::to_string(p.tp) + " | PP " + std::to_string(p.pp) + " | DP " +
@@ -268,6 +291,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
   j["scenario"] = {{"name", sc.name}, {"source", sc.source}};
   j["config"] = {
       {"parameters", r.parameters},
+      {"trainable_parameters", r.trainable_parameters},
       {"layers", sc.model.layers}, {"hidden", sc.model.hidden}, {"heads", sc.model.heads},
       {"seq_len", sc.model.seq_len}, {"vocab", sc.model.vocab}, {"experts", sc.model.experts},
       {"top_k", sc.model.top_k}, {"ffn_hidden", ffn_hidden_of(sc.model)},

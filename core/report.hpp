@@ -30,6 +30,7 @@ OneBitTraffic onebit_traffic(const Scenario& sc);
 struct Report {
   std::string backend;       // "analytic", "sim", "cpu", "cuda"
   double parameters = 0;
+  double trainable_parameters = 0;  // fine-tuning: what trains (= parameters unless something is frozen)
   double iteration_seconds = 0;
   double tokens_per_second = 0, samples_per_second = 0;
   double model_flops_per_iteration = 0, hardware_flops_per_iteration = 0;

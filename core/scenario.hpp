@@ -158,6 +158,27 @@ struct OptimizerSpec {
 };
 const char* to_string(OptimizerKind);
 
+// Fine-tuning (core/finetune.hpp): which parameters train. `full` trains every parameter except
+// the parts named in `freeze`; `lora` freezes the whole base model and trains low-rank adapters
+// (Hu et al. 2021, arXiv:2106.09685; Hugging Face PEFT's LoraConfig) on the `targets` linears:
+// W x + (alpha / rank) B A dropout(x), A [rank, in], B [out, rank].
+enum class LoraTarget { q, k, v, qkv, o, mlp_gate, mlp_up, mlp_down, lm_head };
+const char* to_string(LoraTarget);
+struct FinetuneSpec {
+  enum class Method { full, lora } method = Method::full;
+  int rank = 8;                      // PEFT's default r
+  double alpha = 8;                  // PEFT's default lora_alpha
+  double dropout = 0;                // lora_dropout (PEFT default 0): a dropped copy of x per adapter
+  std::vector<LoraTarget> targets;   // empty: PEFT's default for the model's shape (core/finetune.cpp)
+  // method full: base parts that do not train (frozen: no gradient, no optimizer state, no reduction)
+  bool freeze_embeddings = false, freeze_norms = false, freeze_attention = false, freeze_mlp = false,
+       freeze_head = false;
+  bool lora() const { return method == Method::lora; }
+  bool freezes_anything() const {
+    return lora() || freeze_embeddings || freeze_norms || freeze_attention || freeze_mlp || freeze_head;
+  }
+};
+
 enum class Recompute { none, selective, full };
 const char* to_string(Recompute);
 
@@ -217,6 +238,7 @@ struct Scenario {
   PrecisionSpec precision;
   OptimizerSpec optimizer;
   Recompute recompute = Recompute::none;
+  FinetuneSpec finetune;
   ClusterSpec cluster;
   std::vector<std::string> warnings; // e.g. ds_config keys dssim does not use
 };

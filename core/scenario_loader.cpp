@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 #include "core/deepspeed_config.hpp"
+#include "core/finetune.hpp"
 #include "core/pipeline_partition.hpp"
 #include "core/scenario_layer.hpp"
 #include "core/scenario_units.hpp"
@@ -229,6 +230,48 @@ const std::vector<Field>& fields() {
         s.parallel.partition.push_back(get_int32(item, 1));
       }
     });
+    // fine-tuning (core/finetune.hpp)
+    add("finetune.method", [](Scenario& s, const Entry& e) {
+      s.finetune.method = get_enum(e, {"full", "lora"}) == "lora" ? FinetuneSpec::Method::lora : FinetuneSpec::Method::full;
+    });
+    add("finetune.rank", [](Scenario& s, const Entry& e) { s.finetune.rank = get_int32(e, 1); });
+    add("finetune.alpha", [](Scenario& s, const Entry& e) { s.finetune.alpha = get_positive(e, D::None); });
+    add("finetune.dropout", [](Scenario& s, const Entry& e) {
+      s.finetune.dropout = get_non_negative(e, D::None);
+      if (s.finetune.dropout >= 1)
+        throw ConfigError(e.origin + ": " + e.where() + ": a dropout probability is below 1, got " + e.value.Scalar());
+    });
+    add("finetune.targets", [](Scenario& s, const Entry& e) {
+      const char* example = "a list of linears such as [q_proj, v_proj], [qkv, o, mlp_up, mlp_down] or [all-linear]";
+      if (!e.value.IsSequence() && !e.value.IsScalar()) type_error(e, example);
+      s.finetune.targets.clear();
+      const size_t n = e.value.IsSequence() ? e.value.size() : 1;
+      for (size_t i = 0; i < n; ++i) {
+        const YAML::Node item = e.value.IsSequence() ? e.value[i] : e.value;
+        if (!item.IsScalar()) type_error(e, example);
+        const std::string name = item.Scalar();
+        if (!parse_lora_target(name, s.finetune.targets)) {
+          std::string msg = e.origin + ": " + e.where() + ": unknown LoRA target '" + name + "'";
+          const std::string near = closest(name, lora_target_names());
+          if (!near.empty()) msg += "; did you mean '" + near + "'?";
+          throw ConfigError(msg + "; known: " + join(lora_target_names()));
+        }
+      }
+    });
+    add("finetune.freeze", [](Scenario& s, const Entry& e) {
+      const char* example = "a list of parts: embeddings, norms, attention, mlp, lm_head";
+      if (!e.value.IsSequence()) type_error(e, example);
+      FinetuneSpec& f = s.finetune;
+      f.freeze_embeddings = f.freeze_norms = f.freeze_attention = f.freeze_mlp = f.freeze_head = false;
+      for (size_t i = 0; i < e.value.size(); ++i) {
+        Entry item = e;
+        item.value.reset(e.value[i]);
+        item.written_as = (e.written_as.empty() ? e.key : e.written_as) + "[" + std::to_string(i) + "]";
+        const std::string part = get_enum(item, {"embeddings", "norms", "attention", "mlp", "lm_head"});
+        (part == "embeddings" ? f.freeze_embeddings : part == "norms" ? f.freeze_norms
+         : part == "attention" ? f.freeze_attention : part == "mlp" ? f.freeze_mlp : f.freeze_head) = true;
+      }
+    });
     add("parallel.partition_method", [](Scenario& s, const Entry& e) {
       // DeepSpeed lower-cases the method; a type:REGEX is checked when the partition is resolved.
       const std::string m = get_string(e);
@@ -355,7 +398,7 @@ const std::map<std::string, std::string>& sections() {
       {"parallel", ""},                {"zero", "zero.stage"},
       {"precision", "precision.dtype"}, {"precision.loss_scale", "precision.loss_scale.scale"},
       {"optimizer", "optimizer.type"}, {"cluster", "cluster.preset"},
-      {"cluster.gpu", "cluster.gpu.preset"},
+      {"cluster.gpu", "cluster.gpu.preset"}, {"finetune", "finetune.method"},
   };
   return s;
 }
@@ -900,6 +943,27 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "freeze_step" << YAML::Value << o.freeze_step << YAML::Key << "step" << YAML::Value << o.step;
   y << YAML::EndMap;
   y << YAML::Key << "activation_checkpointing" << YAML::Value << to_string(s.recompute);
+  const auto& ft = s.finetune;
+  if (ft.freezes_anything()) {
+    y << YAML::Key << "finetune" << YAML::Value << YAML::BeginMap;
+    y << YAML::Key << "method" << YAML::Value << (ft.lora() ? "lora" : "full");
+    if (ft.lora()) {
+      y << YAML::Key << "rank" << YAML::Value << ft.rank << YAML::Key << "alpha" << YAML::Value << ft.alpha;
+      y << YAML::Key << "dropout" << YAML::Value << ft.dropout;
+      std::vector<std::string> t;
+      for (LoraTarget x : lora_targets(s.model, ft)) t.push_back(to_string(x));
+      y << YAML::Key << "targets" << YAML::Value << YAML::Flow << t;
+    } else {
+      std::vector<std::string> fr;
+      if (ft.freeze_embeddings) fr.push_back("embeddings");
+      if (ft.freeze_norms) fr.push_back("norms");
+      if (ft.freeze_attention) fr.push_back("attention");
+      if (ft.freeze_mlp) fr.push_back("mlp");
+      if (ft.freeze_head) fr.push_back("lm_head");
+      y << YAML::Key << "freeze" << YAML::Value << YAML::Flow << fr;
+    }
+    y << YAML::EndMap;
+  }
   const auto& c = s.cluster;
   y << YAML::Key << "cluster" << YAML::Value << YAML::BeginMap;
   y << YAML::Key << "name" << YAML::Value << c.name;

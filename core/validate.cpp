@@ -1,5 +1,6 @@
 #include "core/validate.hpp"
 
+#include <algorithm>
 #include <numeric>
 #include <sstream>
 #include "core/pipeline_engine.hpp"
@@ -336,6 +337,43 @@ void validate(const Scenario& s, const KeyLocator& where) {
   c.non_negative("zero.prefetch_bucket_size", static_cast<double>(z.prefetch_bucket_size));
   c.non_negative("zero.param_persistence_threshold", static_cast<double>(z.param_persistence_threshold));
   c.non_negative("zero.max_live_parameters", static_cast<double>(z.max_live_parameters));
+
+  // --- fine-tuning
+  const FinetuneSpec& ft = s.finetune;
+  if (ft.lora()) {
+    if (p.tp > 1) {
+      o << "finetune.method lora" << at("finetune.method") << " with parallel.tp " << p.tp << at("parallel.tp")
+        << " is not modelled (adapters of tensor-parallel linears): LoRA fine-tuning runs data parallel with ZeRO; "
+           "set parallel.tp: 1";
+      fail();
+    }
+    if (m.is_moe()) {
+      o << "finetune.method lora" << at("finetune.method") << " on a MoE model (model.experts " << m.experts
+        << ") is not modelled: adapters on experts are not defined; use finetune.method full";
+      fail();
+    }
+    if (ft.freeze_embeddings || ft.freeze_norms || ft.freeze_attention || ft.freeze_mlp || ft.freeze_head) {
+      o << "finetune.freeze" << at("finetune.freeze")
+        << " applies to finetune.method full: with lora every base weight is frozen already; remove finetune.freeze";
+      fail();
+    }
+    const auto& tg = ft.targets;
+    const auto has = [&](LoraTarget t) { return std::find(tg.begin(), tg.end(), t) != tg.end(); };
+    if (has(LoraTarget::qkv) && (has(LoraTarget::q) || has(LoraTarget::k) || has(LoraTarget::v))) {
+      o << "finetune.targets" << at("finetune.targets")
+        << " names the fused qkv and one of q / k / v: the same projection twice; use either qkv or q, k, v";
+      fail();
+    }
+    if (has(LoraTarget::mlp_gate) && !m.swiglu) {
+      o << "finetune.targets" << at("finetune.targets") << " names mlp_gate (gate_proj), but model.mlp is gelu: "
+        << "there is no gate projection; use mlp_up / mlp_down";
+      fail();
+    }
+  } else if (ft.freeze_embeddings && ft.freeze_norms && ft.freeze_attention && ft.freeze_mlp && ft.freeze_head) {
+    o << "finetune.freeze" << at("finetune.freeze") << " freezes every part: nothing would train; "
+      << "remove a part from the list, or use finetune.method lora";
+    fail();
+  }
 
   // --- optimizer
   if (s.optimizer.kind == OptimizerKind::onebit_adam && z.stage > 0) {

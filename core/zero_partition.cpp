@@ -16,6 +16,8 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
     throw std::invalid_argument("zero partition: bucket sizes must be >= 0 elements");
   if (!spec.layer.empty() && spec.layer.size() != spec.numel.size())
     throw std::invalid_argument("zero partition: one layer per tensor");
+  if (!spec.trainable.empty() && spec.trainable.size() != spec.numel.size())
+    throw std::invalid_argument("zero partition: one trainable flag per tensor");
 
   ZeroPartition z;
   z.dp = spec.dp;
@@ -79,6 +81,10 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
     g.tensors.push_back(i);
     g.numel += spec.numel[i];
     g.shard_numel += (spec.numel[i] + spec.dp - 1) / spec.dp;
+    if (spec.trainable.empty() || spec.trainable[i]) {
+      g.trainable_numel += spec.numel[i];
+      g.trainable_shard_numel += (spec.numel[i] + spec.dp - 1) / spec.dp;
+    }
   }
   return z;
 }

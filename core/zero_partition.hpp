@@ -24,6 +24,9 @@ namespace dssim {
 struct ZeroPartitionSpec {
   std::vector<int64_t> numel;   // parameter tensors, model order
   std::vector<int> layer;       // layer (module) of each tensor, for stage-3 groups; empty = all 0
+  // Stage 3 with frozen parameters (core/finetune.hpp): which tensors train (gradients reduced,
+  // optimizer state); empty = all. Stages 0-2 leave frozen tensors out of the spec instead.
+  std::vector<bool> trainable;
   int dp = 1;
   int64_t alignment = 2;        // DeepSpeed's nccl_start_alignment_factor
   int64_t reduce_bucket_size = 500000000;     // elements
@@ -55,6 +58,11 @@ struct Stage3Group {
   int64_t shard_numel = 0;     // elements per rank: sum of ceil(numel_i / dp)
   int64_t padded_numel() const;  // shard_numel * dp (all-gather output / reduce-scatter input)
   int dp = 1;
+  // The trainable tensors' part (= the whole group unless ZeroPartitionSpec::trainable says
+  // otherwise): what the reduce-scatter moves and the optimizer steps.
+  int64_t trainable_numel = 0;
+  int64_t trainable_shard_numel = 0;
+  int64_t trainable_padded_numel() const { return trainable_shard_numel * dp; }
 };
 
 struct ZeroPartition {

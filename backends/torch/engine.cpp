@@ -102,6 +102,10 @@ class Engine {
       throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
                                               "asks for ") + to_string(sc.optimizer.kind) + ")");
     if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
+    if (sc.finetune.freezes_anything())
+      throw std::invalid_argument("torch backend: fine-tuning with frozen parameters (finetune.method lora, or "
+                                  "finetune.freeze) is not implemented yet; the analytic and sim backends model it "
+                                  "(dssim scenario --backend sim); use finetune.method: full without freeze to run");
     if (par.pp > 1 && stage_ >= 2)
       throw std::invalid_argument("zero.stage " + std::to_string(stage_) +
                                   " with pipeline parallelism: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 "

@@ -197,7 +197,7 @@ TEST_CASE("sequence parallelism needs tp > 1", "[validate]") {
 TEST_CASE("unknown preset names list the available presets", "[validate]") {
   CHECK_THAT(load_error("model: gpt-8b\n"),
              Contains("t.yaml: model.preset at line 1: unknown model preset 'gpt-8b'; did you mean 'gpt-7b'?") &&
-                 Contains("Available model presets: gpt-1.3b, gpt-13b, gpt-350m, gpt-7b, gpt3-125m, gpt3-175b, gpt3-2.7b, gpt3-760m, llama3-405b, llama3-70b, llama3-8b, mixtral-8x7b, tiny"));
+                 Contains("Available model presets: gpt-1.3b, gpt-13b, gpt-350m, gpt-7b, gpt3-125m, gpt3-175b, gpt3-2.7b, gpt3-760m, llama2-7b, llama3-405b, llama3-70b, llama3-8b, mixtral-8x7b, tiny"));
   CHECK_THAT(load_error("model: tiny\ncluster:\n  gpu: A100\n"),
              Contains("cluster.gpu.preset at line 3: unknown GPU preset 'A100'") && Contains("A100-40GB, A100-80GB, H100-SXM"));
   CHECK_THAT(load_error("model: tiny\ncluster: dgx-b200\n"), Contains("unknown cluster preset 'dgx-b200'") &&
