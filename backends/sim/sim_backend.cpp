@@ -279,6 +279,7 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
   eo.nvswitch_closed_form = opts.nvswitch_closed_form;
   eo.platform.nodes_per_leaf = opts.nodes_per_leaf;
   eo.platform.leaves_per_pod = opts.leaves_per_pod;
+  eo.busiest_links = opts.busiest_links;
   sim::ExecResult ex = sim::execute(sc, program, plan.vranks, seconds, eo);
 
   SimRun run;

@@ -24,6 +24,7 @@ struct SimOptions {
   bool nvswitch_closed_form = true; // collectives inside one NVSwitch node: exact closed form
   int nodes_per_leaf = 32;          // fat tree: nodes under one (rail) leaf switch
   int leaves_per_pod = 16;          // three-level trees: leaves per pod
+  int busiest_links = 10;           // links listed in extras.sim.links.busiest (those with traffic)
 };
 
 // What a simulation produced, for callers that want more than the Report (tests, bench).
