@@ -12,7 +12,6 @@
 #include <unordered_map>
 #include <simgrid/s4u.hpp>
 #include "core/device_model.hpp"
-#include <simgrid/kernel/routing/NetPoint.hpp>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -71,6 +70,14 @@ struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     uint64_t b; std::memcpy(&b, &k.bytes, sizeof b);
     return std::hash<uint64_t>()(b * 1000003u + uint64_t(k.group) * 31u + uint64_t(k.op));
+  }
+};
+
+using RouteKey = std::pair<const sg4::Host*, const sg4::Host*>;
+struct RouteKeyHash {
+  size_t operator()(const RouteKey& k) const {
+    const auto a = reinterpret_cast<uintptr_t>(k.first), b = reinterpret_cast<uintptr_t>(k.second);
+    return std::hash<uintptr_t>()(a * 0x9E3779B97F4A7C15ull ^ b);
   }
 };
 
@@ -136,13 +143,15 @@ class Simulation {
   // Link accounting.
   std::unordered_map<const sg4::Link*, int> link_index_;
   std::vector<double> link_bytes_;
-  std::unordered_map<uint64_t, std::vector<int>> route_cache_;
+  std::unordered_map<RouteKey, std::vector<int>, RouteKeyHash> route_cache_;
 };
 
 void Simulation::account(const CommPlan& plan, int repeat) {
   for (const Phase& p : plan.phases)
     for (const Flow& f : p.flows) {
-      const uint64_t key = (uint64_t(f.src->get_netpoint()->id()) << 32) | f.dst->get_netpoint()->id();
+      // Keyed by the hosts themselves: a NetPoint's id() is its rank inside its own zone, so ids
+      // repeat across zones (every rail's leaf zone numbers its NICs alike).
+      const RouteKey key{f.src, f.dst};
       auto it = route_cache_.find(key);
       if (it == route_cache_.end()) {
         std::vector<sg4::Link*> links;

@@ -179,3 +179,28 @@ TEST_CASE("all-reduce across nodes: NCCL's double binary tree for latency-bound 
     CHECK(sim < nccl_candidate(sc.cluster, Op::AllReduce, bytes, group, NcclAlgo::Ring, NcclProto::Simple).seconds);
   }
 }
+
+TEST_CASE("rail-optimised rings: m GPUs per node on n nodes, each rail's NIC carries (n-1)/n S/m per pass", "[links]") {
+  // 4 nodes x 2 GPUs, a NIC per GPU: NCCL's two rings (one per rail) each move S/2 over 4 nodes.
+  // If the rails' flows shared one NIC the all-reduce would take twice as long.
+  const double B = 25e9, S = 2e9;
+  const int n = 4, m = 2;
+  Scenario sc = cluster_scenario(n, m, m, B);
+  SimOptions o;
+  o.busiest_links = 1000;
+  const Report r = simulate_program(sc, collective_program(n * m, {iota(n * m)}, Op::AllReduce, S), o);
+  const NcclChoice ch = nccl_choice(sc.cluster, Op::AllReduce, S, iota(n * m));
+  REQUIRE(ch.algo == NcclAlgo::Ring);
+  const double per_nic = 2.0 * (n - 1) / n * S / m * ch.wire_factor;
+  CHECK(r.iteration_seconds == Approx(per_nic / B + ch.latency).epsilon(1e-3));
+  int nics = 0;
+  for (const auto& l : r.extras.at("sim").at("links").at("busiest")) {
+    const std::string name = l.at("name");
+    INFO(name);
+    CHECK(l.at("utilization").get<double>() <= 1.0 + 1e-9);
+    if (name.rfind("nic-", 0) != 0) continue;
+    ++nics;
+    CHECK(l.at("bytes").get<double>() == Approx(per_nic).epsilon(1e-9));
+  }
+  CHECK(nics == 2 * n * m);  // every NIC, both directions
+}
