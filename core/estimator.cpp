@@ -76,7 +76,8 @@ namespace {
 struct Rendezvous {
   int arrived = 0;
   double ready = 0;
-  std::vector<std::pair<int, uint32_t>> members;  // (rank index, instruction)
+  struct Member { int rank_index; uint32_t instruction; int stream; };
+  std::vector<Member> members;
 };
 
 // The first of a Send / Recv pair to be posted, waiting for its peer.
@@ -92,14 +93,15 @@ struct P2PKeyHash {
 struct P2PPosted {
   int rank_index;
   uint32_t instruction;
+  int stream;
   double ready;
 };
 
 }  // namespace
 
 Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds) {
-  // Round-robin over ranks and streams: each stream runs in order as far as its dependencies,
-  // collective rendezvous and send/recv matches allow; repeated until every instruction ran.
+  // Each stream runs in order as far as its dependencies, collective rendezvous and send/recv
+  // matches allow (below: a queue of streams that can move).
   // Collectives of a group with one materialized member (every DP / TP group of a
   // representative-only Program) complete on arrival; the others meet in `collectives`.
   const size_t nr = program.ranks.size();
@@ -119,17 +121,20 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
       if (r < static_cast<int>(index_of_rank.size()) && index_of_rank[r] >= 0) ++materialized[g];
 
   // Per rank and stream, in stream order: what the loop below reads of each instruction, compact
-  // (the instructions themselves are read again only for rendezvous and send/recv).
+  // (the loop does not read the instructions themselves: a Program of a deep pipeline is several
+  // MB of them, and reading one per step was most of the loop's cache misses).
   enum Kind : uint8_t { kPlain, kRendezvous, kPointToPoint };
   struct Entry {
     uint32_t i, deps_begin, deps_count;
+    int32_t a;   // rendezvous: the group; send / recv: the peer
+    uint32_t b;  // rendezvous: its sequence on the group; send / recv: the tag
     Kind kind;
+    bool send;
   };
   std::vector<std::array<std::vector<Entry>, kStreams>> streams(nr);
   std::vector<std::array<size_t, kStreams>> cursor(nr);
   std::vector<std::array<double, kStreams>> stream_free(nr);
   std::vector<std::vector<char>> done(nr), posted(nr);
-  std::vector<std::vector<uint32_t>> collective_seq(nr);  // per instruction: its sequence on its group
   std::vector<uint32_t> seq_by_group(ng);
   size_t remaining = 0;
   for (size_t ri = 0; ri < nr; ++ri) {
@@ -137,21 +142,24 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     tl.spans[ri].resize(ins.size());
     done[ri].assign(ins.size(), 0);
     posted[ri].assign(ins.size(), 0);
-    collective_seq[ri].assign(ins.size(), 0);
     std::fill(seq_by_group.begin(), seq_by_group.end(), 0);
     std::array<size_t, kStreams> per_stream{};
     for (const Instruction& in : ins) ++per_stream[static_cast<int>(in.stream)];
     for (int s = 0; s < kStreams; ++s) streams[ri][s].reserve(per_stream[s]);
     for (uint32_t i = 0; i < ins.size(); ++i) {
       const Instruction& in = ins[i];
-      Kind kind = kPlain;
+      Entry e{i, in.deps_begin, in.deps_count, 0, 0, kPlain, false};
       if (is_collective(in.op) && materialized.at(in.group) > 1) {
-        kind = kRendezvous;
-        collective_seq[ri][i] = seq_by_group[in.group]++;
+        e.kind = kRendezvous;
+        e.a = in.group;
+        e.b = seq_by_group[in.group]++;
       } else if (in.op == Op::Send || in.op == Op::Recv) {
-        kind = kPointToPoint;
+        e.kind = kPointToPoint;
+        e.send = in.op == Op::Send;
+        e.a = in.peer;
+        e.b = static_cast<uint32_t>(in.tag);
       }
-      streams[ri][static_cast<int>(in.stream)].push_back({i, in.deps_begin, in.deps_count, kind});
+      streams[ri][static_cast<int>(in.stream)].push_back(e);
     }
     cursor[ri].fill(0);
     stream_free[ri].fill(0.0);
@@ -161,96 +169,118 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   std::vector<std::vector<Rendezvous>> collectives(ng);  // [group][sequence]
   std::unordered_map<P2PKey, P2PPosted, P2PKeyHash> p2p;
 
-  auto finish = [&](int ri, uint32_t i, double start) {
-    const Instruction& in = program.ranks[ri].instructions[i];
+  // Streams to run, each as far as it can go; a stream that stops waits for one instruction (a
+  // dependency on another stream of its rank, its rendezvous, its send/recv partner) and is queued
+  // again when that instruction finishes. The times do not depend on the order streams run in
+  // (every start is the largest of its predecessors' ends), only the work does: sweeping every
+  // stream of every rank until nothing moves took O(passes x streams), one pass per pipeline stage
+  // a gradient travels back.
+  const size_t nstreams = nr * kStreams;
+  constexpr uint32_t kNoWait = ~uint32_t(0);
+  std::vector<uint32_t> waits_on(nstreams, kNoWait);  // [ri * kStreams + s] the dependency it waits for
+  std::vector<char> queued(nstreams, 1);
+  std::vector<uint32_t> queue(nstreams);
+  for (size_t q = 0; q < nstreams; ++q) queue[q] = static_cast<uint32_t>(nstreams - 1 - q);  // popped from the back
+  size_t running = nstreams;  // the stream being run (not queued again by its own instructions)
+  auto wake = [&](size_t q) {
+    if (q == running || queued[q]) return;
+    queued[q] = 1;
+    queue.push_back(static_cast<uint32_t>(q));
+  };
+
+  auto finish = [&](int ri, uint32_t i, int s, double start) {
     const double end = start + seconds[ri][i];
     tl.spans[ri][i] = {start, end};
     done[ri][i] = 1;
-    const int s = static_cast<int>(in.stream);
     stream_free[ri][s] = end;
     ++cursor[ri][s];
     tl.makespan = std::max(tl.makespan, end);
     --remaining;
+    const size_t base = static_cast<size_t>(ri) * kStreams;
+    wake(base + s);  // finished by a partner: its own stream can go on
+    for (int o = 0; o < kStreams; ++o)
+      if (waits_on[base + o] == i) {
+        waits_on[base + o] = kNoWait;
+        wake(base + o);
+      }
   };
 
-  while (remaining > 0) {
-    bool progress = false;
-    for (size_t ri = 0; ri < nr; ++ri) {
-      const RankProgram& rp = program.ranks[ri];
-      const char* done_r = done[ri].data();
-      const Span* span_r = tl.spans[ri].data();
-      for (int s = 0; s < kStreams; ++s) {
-        const std::vector<Entry>& stream = streams[ri][s];
-        while (cursor[ri][s] < stream.size()) {
-          const Entry& en = stream[cursor[ri][s]];
-          const uint32_t i = en.i;
-          double ready = stream_free[ri][s];
-          bool blocked = false;
-          for (uint32_t d = 0; d < en.deps_count; ++d) {
-            const uint32_t dep = rp.deps[en.deps_begin + d];
-            if (!done_r[dep]) { blocked = true; break; }
-            ready = std::max(ready, span_r[dep].end);
-          }
-          if (blocked) break;
-          if (en.kind == kPlain) {  // also a collective of a group with one materialized member
-            finish(static_cast<int>(ri), i, ready);
-            progress = true;
-            continue;
-          }
-          const Instruction& in = rp.instructions[i];
-          if (en.kind == kRendezvous) {
-            if (posted[ri][i]) break;  // waiting for the rest of the group
-            posted[ri][i] = 1;
-            progress = true;
-            auto& seqs = collectives[in.group];
-            const uint32_t seq = collective_seq[ri][i];
-            if (seqs.size() <= seq) seqs.resize(seq + 1);
-            Rendezvous& rv = seqs[seq];
-            rv.arrived++;
-            rv.ready = std::max(rv.ready, ready);
-            rv.members.emplace_back(static_cast<int>(ri), i);
-            if (rv.arrived < materialized[in.group]) break;
-            const double start = rv.ready;
-            for (auto& [mr, mi] : rv.members) finish(mr, mi, start);
-            rv.members = {};
-            continue;
-          }
-          {  // send / recv
-            const int me = rp.rank;
-            const int src = in.op == Op::Send ? me : in.peer;
-            const int dst = in.op == Op::Send ? in.peer : me;
-            const int peer_index = in.peer < static_cast<int>(index_of_rank.size()) ? index_of_rank[in.peer] : -1;
-            if (peer_index < 0) { finish(static_cast<int>(ri), i, ready); progress = true; continue; }
-            if (posted[ri][i]) break;
-            posted[ri][i] = 1;
-            progress = true;
-            const P2PKey key{src, dst, in.tag};
-            auto it = p2p.find(key);
-            if (it == p2p.end()) {
-              p2p.emplace(key, P2PPosted{static_cast<int>(ri), i, ready});
-              break;
-            }
-            const P2PPosted first = it->second;
-            p2p.erase(it);
-            const double start = std::max(ready, first.ready);
-            finish(first.rank_index, first.instruction, start);
-            finish(static_cast<int>(ri), i, start);
-          }
+  while (!queue.empty()) {
+    const size_t q = queue.back();
+    queue.pop_back();
+    queued[q] = 0;
+    running = q;
+    const size_t ri = q / kStreams;
+    const int s = static_cast<int>(q % kStreams);
+    const RankProgram& rp = program.ranks[ri];
+    const char* done_r = done[ri].data();
+    const Span* span_r = tl.spans[ri].data();
+    const std::vector<Entry>& stream = streams[ri][s];
+    while (cursor[ri][s] < stream.size()) {
+      const Entry& en = stream[cursor[ri][s]];
+      const uint32_t i = en.i;
+      double ready = stream_free[ri][s];
+      bool blocked = false;
+      for (uint32_t d = 0; d < en.deps_count; ++d) {
+        const uint32_t dep = rp.deps[en.deps_begin + d];
+        if (!done_r[dep]) { blocked = true; waits_on[q] = dep; break; }
+        ready = std::max(ready, span_r[dep].end);
+      }
+      if (blocked) break;
+      if (en.kind == kPlain) {  // also a collective of a group with one materialized member
+        finish(static_cast<int>(ri), i, s, ready);
+        continue;
+      }
+      if (en.kind == kRendezvous) {
+        if (posted[ri][i]) break;  // waiting for the rest of the group
+        posted[ri][i] = 1;
+        auto& seqs = collectives[en.a];
+        const uint32_t seq = en.b;
+        if (seqs.size() <= seq) seqs.resize(seq + 1);
+        Rendezvous& rv = seqs[seq];
+        rv.arrived++;
+        rv.ready = std::max(rv.ready, ready);
+        rv.members.push_back({static_cast<int>(ri), i, s});
+        if (rv.arrived < materialized[en.a]) break;
+        const double start = rv.ready;
+        for (const Rendezvous::Member& m : rv.members) finish(m.rank_index, m.instruction, m.stream, start);
+        rv.members = {};
+        continue;
+      }
+      {  // send / recv
+        const int me = rp.rank, peer = en.a;
+        const int src = en.send ? me : peer;
+        const int dst = en.send ? peer : me;
+        const int peer_index = peer < static_cast<int>(index_of_rank.size()) ? index_of_rank[peer] : -1;
+        if (peer_index < 0) { finish(static_cast<int>(ri), i, s, ready); continue; }
+        if (posted[ri][i]) break;
+        posted[ri][i] = 1;
+        const P2PKey key{src, dst, static_cast<int>(en.b)};
+        auto it = p2p.find(key);
+        if (it == p2p.end()) {
+          p2p.emplace(key, P2PPosted{static_cast<int>(ri), i, s, ready});
+          break;
         }
+        const P2PPosted first = it->second;
+        p2p.erase(it);
+        const double start = std::max(ready, first.ready);
+        finish(first.rank_index, first.instruction, first.stream, start);
+        finish(static_cast<int>(ri), i, s, start);
       }
     }
-    if (!progress) {
-      for (size_t ri = 0; ri < nr; ++ri)
-        for (int s = 0; s < kStreams; ++s)
-          if (cursor[ri][s] < streams[ri][s].size()) {
-            const Instruction& in = program.ranks[ri].instructions[streams[ri][s][cursor[ri][s]].i];
-            throw std::runtime_error("Program deadlocks: rank " + std::to_string(program.ranks[ri].rank) +
-                                     " stream " + to_string(in.stream) + " is stuck at " +
-                                     to_string(in.op) + " (" + to_string(in.purpose) + ", micro-batch " +
-                                     std::to_string(in.micro_batch) + ")");
-          }
-      throw std::runtime_error("Program deadlocks");
-    }
+    running = nstreams;
+  }
+  if (remaining > 0) {
+    for (size_t ri = 0; ri < nr; ++ri)
+      for (int s = 0; s < kStreams; ++s)
+        if (cursor[ri][s] < streams[ri][s].size()) {
+          const Instruction& in = program.ranks[ri].instructions[streams[ri][s][cursor[ri][s]].i];
+          throw std::runtime_error("Program deadlocks: rank " + std::to_string(program.ranks[ri].rank) +
+                                   " stream " + to_string(in.stream) + " is stuck at " +
+                                   to_string(in.op) + " (" + to_string(in.purpose) + ", micro-batch " +
+                                   std::to_string(in.micro_batch) + ")");
+        }
+    throw std::runtime_error("Program deadlocks");
   }
   return tl;
 }
