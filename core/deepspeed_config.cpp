@@ -264,10 +264,10 @@ struct Mapper {
         std::string d = it->get<std::string>();
         if (d == "cpu") { set(key, k, YAML::Node("true")); on = true; }
         else if (d == "none") set(key, k, YAML::Node("false"));
-        else if (d == "nvme") {
+        else if (d == "nvme") {  // ZeRO-Infinity: swapped through host buffers at cluster.nvme_bandwidth
           set(key, k, YAML::Node("true"));
+          set(key + "_device", k, YAML::Node("nvme"));
           on = true;
-          warn("ds_config key '" + k + "' is \"nvme\": dssim models the offload to host memory (cpu); NVMe bandwidth is not modeled");
         } else fail(k, "expected \"cpu\", \"nvme\" or \"none\", got \"" + d + "\"");
       } else if (it.key() == "ratio") {
         ignore(k, it.value());
@@ -529,14 +529,12 @@ struct Mapper {
     for (auto it = a.begin(); it != a.end(); ++it) {
       const std::string dk = "activation_checkpointing." + it.key();
       const std::string& k = it.key();
-      if (k == "partition_activations" || k == "contiguous_memory_optimization" || k == "cpu_checkpointing" ||
-          k == "synchronize_checkpoint_boundary" || k == "profile") {
+      if (k == "partition_activations" || k == "contiguous_memory_optimization" || k == "cpu_checkpointing") {
+        // Modelled (core/scenario.hpp CheckpointingSpec) for layers the scenario recomputes in full.
+        set("activation_checkpointing." + k, dk, YAML::Node(get_bool(dk, it.value()) ? "true" : "false"));
+      } else if (k == "synchronize_checkpoint_boundary" || k == "profile") {
         if (it->is_boolean() && !it->get<bool>()) continue;  // off is what dssim models
-        if (k == "partition_activations" || k == "cpu_checkpointing")
-          warn("ds_config key '" + dk + "' is on: it changes activation memory in DeepSpeed, which dssim does not model "
-               "(set the scenario's activation_checkpointing: none|selective|full for recompute)");
-        else
-          warn_unused(dk, "is on: dssim does not model it (set the scenario's activation_checkpointing: none|selective|full)");
+        warn_unused(dk, "is on: dssim does not model it (set the scenario's activation_checkpointing: none|selective|full)");
       } else if (k == "number_checkpoints") {
         if (!it->is_null()) warn_unused(dk, "has no effect in dssim");
       } else {

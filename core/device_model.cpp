@@ -154,7 +154,14 @@ double DeviceModel::host_seconds(const Instruction& inst) const {
   // DeepSpeed's CPUAdam streams params, grads and moments through host memory; the node's
   // bandwidth is shared by the node's GPUs, which all step at the same time.
   const double per_gpu_bw = cluster_.host_memory_bandwidth / std::max(1, cluster_.gpus_per_node);
-  return inst.memory_bytes / per_gpu_bw;
+  return inst.memory_bytes / per_gpu_bw + nvme_seconds(inst.bytes);
+}
+
+double DeviceModel::nvme_seconds(double bytes) const {
+  // ZeRO-Infinity's swapping (DeepSpeed's AsyncIO swapper, pipeline_read / pipeline_write off by
+  // default): read in, step, write out one after the other; the node's GPUs share its drives.
+  if (bytes <= 0 || !(cluster_.nvme_bandwidth > 0)) return 0;
+  return bytes / (cluster_.nvme_bandwidth / std::max(1, cluster_.gpus_per_node));
 }
 
 double DeviceModel::copy_seconds(const Instruction& inst) const {
@@ -162,6 +169,8 @@ double DeviceModel::copy_seconds(const Instruction& inst) const {
   if (profile_ && inst.bytes > 0)
     if (auto bw = profile_->copy_bytes_per_second(inst.op == Op::CopyH2D ? "h2d" : "d2h", inst.bytes))
       bus = inst.bytes / *bw;
+  // A parameter fetch from NVMe (memory_bytes: the NVMe read) precedes the copy to the GPU.
+  if (inst.op == Op::CopyH2D) return bus + nvme_seconds(inst.memory_bytes);
   if (inst.op != Op::CopyD2H || inst.memory_bytes <= 0) return bus;
   // Offloaded gradients are then summed on the host (memory_bytes of host traffic), the node's
   // GPUs sharing its cores; layer after layer the copies and the sums pipeline, so a layer's share

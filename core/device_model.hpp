@@ -29,10 +29,12 @@ class DeviceModel {
   // Program::op_lists hold forward kernels; Backward and Recompute derive theirs from them.
   double compute_seconds(const Program& program, const Instruction& inst) const;
   // Host optimizer step: bound by host memory bandwidth shared by the node's GPUs (or the profile's
-  // host_adamw rate, shared by the node's GPUs).
+  // host_adamw rate, shared by the node's GPUs), plus its NVMe swap (`bytes`: ZeRO-Infinity).
   double host_seconds(const Instruction& inst) const;
-  // PCIe copy (CopyH2D / CopyD2H).
+  // PCIe copy (CopyH2D / CopyD2H); a CopyH2D's memory_bytes are read from NVMe first.
   double copy_seconds(const Instruction& inst) const;
+  // NVMe traffic at the node's cluster.nvme_bandwidth shared by its GPUs (0 when not stated).
+  double nvme_seconds(double bytes) const;
   // A collective's local work before it sends (Instruction::memory_bytes; 1-bit Adam's compression
   // at the profile's onebit_* rows, else the HBM roofline); 0 for plain collectives.
   double collective_local_seconds(const Instruction& inst) const;

@@ -56,6 +56,31 @@ std::vector<FitCandidate> fit_candidates(const Scenario& sc) {
     s.recompute = Recompute::full;
     consider("activation_checkpointing=full", s);
   }
+  // DeepSpeed's activation checkpointing options on the full recompute's kept inputs.
+  if (sc.recompute == Recompute::full && sc.parallel.tp > 1 && !sc.checkpointing.partition_activations) {
+    Scenario s = sc;
+    s.checkpointing.partition_activations = true;
+    consider("activation_checkpointing.partition_activations=true", s);
+  }
+  if (sc.recompute == Recompute::full && !sc.checkpointing.offloads(sc.recompute)) {
+    Scenario s = sc;
+    s.checkpointing.partition_activations = s.checkpointing.cpu_checkpointing = true;
+    consider("activation_checkpointing.partition_activations=true activation_checkpointing.cpu_checkpointing=true", s);
+  }
+  // ZeRO-Infinity, where the cluster states its NVMe bandwidth.
+  if (sc.cluster.nvme_bandwidth > 0 && sc.zero.stage == 3 && !sc.zero.on_nvme_optimizer(sc.cluster.nvme_bandwidth)) {
+    Scenario s = sc;
+    s.zero.offload_optimizer = s.zero.offload_param = true;
+    s.zero.nvme_optimizer = s.zero.nvme_param = true;
+    consider("zero.offload_optimizer=true zero.offload_param=true zero.offload_optimizer_device=nvme zero.offload_param_device=nvme", s);
+  }
+  // A fine-tuning job that trains every parameter: LoRA (PEFT's defaults) trains adapters only.
+  if (sc.finetune.declared && !sc.finetune.freezes_anything()) {
+    Scenario s = sc;
+    s.finetune.method = FinetuneSpec::Method::lora;
+    s.finetune.rank = 16;
+    consider("finetune.method=lora finetune.rank=16", s);
+  }
   if (sc.parallel.dp % 2 == 0) {
     Scenario s = sc;
     s.parallel.pp *= 2;

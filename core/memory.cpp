@@ -303,13 +303,19 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // of the shard = 16 bytes per element (for fp32 training too: the host keeps its own fp32 copy).
   if (z.offload_optimizer) {
     mb.host += (sc.optimizer.kind == OptimizerKind::lion ? 12 : 16) * opt_elems;
+    if (z.on_nvme_optimizer(sc.cluster.nvme_bandwidth)) {  // the states on NVMe, the fp32 gradients stay
+      const double states = (sc.optimizer.kind == OptimizerKind::lion ? 8 : 12) * opt_elems;
+      mb.host -= states;
+      mb.nvme += states;
+    }
   } else {
     mb.optimizer = kb * opt_elems;
     // 1-bit Adam [DS onebit/adam.py]: fp32 worker error (whole flat buffer) and server error
     // (1/n of it) for the error-compensated compressed all-reduce.
     if (sc.optimizer.kind == OptimizerKind::onebit_adam) mb.optimizer += 4 * train + 4 * train / dp;
   }
-  if (zstage == 3 && z.offload_param) mb.host += pb * shard;  // 16-bit params live on the host
+  if (zstage == 3 && z.offload_param)  // 16-bit params live on the host (ZeRO-Infinity: on NVMe)
+    (z.on_nvme_param(sc.cluster.nvme_bandwidth) ? mb.nvme : mb.host) += pb * shard;
 
   // Activations [K]: per layer x the stage's layers x in-flight micro-batches.
   const int b = std::max(1, sc.training.micro_batch);
@@ -321,7 +327,24 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   for (int i = range.first; i < range.last; ++i)
     per_micro_batch += activation_bytes_per_layer(m, b, par.tp, par.sequence_parallel, sc.recompute,
                                                   is_moe_layer(m, i), sc.precision.dtype);
+  // DeepSpeed's partition_activations / cpu_checkpointing (core/scenario.hpp CheckpointingSpec):
+  // the full recompute's kept layer inputs split over the TP group (already so with sequence
+  // parallelism), and moved to host memory.
+  double offloaded_per_micro_batch = 0;
+  if (sc.checkpointing.partitions(sc.recompute)) {
+    for (int i = range.first; i < range.last; ++i) {
+      const double kept = activation_bytes_per_layer(m, b, par.tp, par.sequence_parallel, Recompute::full,
+                                                     is_moe_layer(m, i), sc.precision.dtype);
+      const double part = par.sequence_parallel ? kept : kept / t;
+      per_micro_batch -= kept - part;
+      if (sc.checkpointing.offloads(sc.recompute)) {
+        per_micro_batch -= part;
+        offloaded_per_micro_batch += part;
+      }
+    }
+  }
   const double in_flight = in_flight_micro_batches(pp, stage, par.interleave, micro_batches_of(sc));
+  mb.host += offloaded_per_micro_batch * in_flight;
   // [K] 4.3: the embedding dropout mask (1 byte) of every in-flight micro-batch on stage 0.
   if (stage == 0 && m.has_dropout()) per_micro_batch += s * b * h / sp_div;
   // LoRA adapters' saved tensors (core/finetune.hpp); a full recompute keeps only the layer input.

@@ -61,6 +61,7 @@ struct MemoryBreakdown {
   double comm_buffers = 0;  // ZeRO reduce / all-gather buckets, pipeline p2p buffers
   double temporaries = 0;   // largest transient: logits + loss, recompute working set, workspace
   double host = 0;          // host (CPU) memory when offloading, per GPU
+  double nvme = 0;          // ZeRO-Infinity: bytes on the node's NVMe, per GPU (not in total())
   // Informational parts of the categories above (not added again by total()):
   double params_gathered = 0;  // ZeRO-3: gathered working set + persistent small params, in params
   double model_states() const { return params - params_gathered + grads + optimizer; }

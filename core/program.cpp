@@ -48,6 +48,7 @@ const char* to_string(Purpose p) {
     case Purpose::OneBitScales: return "onebit_scales";
     case Purpose::OneBitServer: return "onebit_server";
     case Purpose::OffloadGradient: return "offload_gradient";
+    case Purpose::OffloadActivation: return "offload_activation";
     case Purpose::OffloadParam: return "offload_param";
   }
   return "?";

@@ -60,6 +60,7 @@ enum class Purpose : uint8_t {
   OneBitServer,          // 1-bit Adam: all-gather of server signs
   OffloadGradient,       // D2H of gradients to the host optimizer
   OffloadParam,          // H2D of parameters (updated, or stage-3 offload_param fetch)
+  OffloadActivation,     // cpu_checkpointing: checkpointed layer inputs to the host and back
 };
 const char* to_string(Purpose);
 

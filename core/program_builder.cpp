@@ -892,6 +892,8 @@ class Builder {
             h.layer_begin = l;
             h.layer_count = 1;
             h.bytes = double(sg.shard_numel) * g_;
+            // ZeRO-Infinity: the shard is read from NVMe into a host buffer first.
+            if (sc_.zero.on_nvme_param(sc_.cluster.nvme_bandwidth)) h.memory_bytes = h.bytes;
             fetch = add(x, h, {});
             last = fetch;
           }
@@ -949,6 +951,32 @@ class Builder {
       in.bytes = act_bytes_;
       add(x, in, {});
     }
+  }
+
+  // DeepSpeed's activation checkpointing options (core/scenario.hpp CheckpointingSpec) on the
+  // layers of a segment, one instruction repeated per layer, on the compute stream: checkpointing.py
+  // copies a partition to and from the host with a blocking .to(device), and all-gathers the
+  // partitions over the model-parallel group before the recompute (get_full_inputs).
+  // One TP rank's share of a layer input: partitioned over the group, or (sequence parallelism) a
+  // sequence shard already.
+  double checkpoint_partition_bytes() const { return act_bytes_ / t_; }
+  void emit_checkpoint_copy(RankCtx& x, const Segment& s, int mb, int chunk, Op op) {
+    const int layers = s.dense_layers + s.moe_layers;
+    if (!sc_.checkpointing.offloads(sc_.recompute) || layers == 0) return;
+    Instruction in = make(op, Stream::Compute, Purpose::OffloadActivation, mb, chunk);
+    in.layer_begin = s.layer_begin;
+    in.layer_count = s.layer_count;
+    in.repeat = layers;
+    in.bytes = checkpoint_partition_bytes();
+    add(x, in, {});
+  }
+  void emit_checkpoint_gather(RankCtx& x, const Segment& s, int mb, int chunk) {
+    const int layers = s.dense_layers + s.moe_layers;
+    // With sequence parallelism the checkpoint is a sequence shard already: nothing to gather.
+    if (!sc_.checkpointing.partitions(sc_.recompute) || x.tp_g < 0 || layers == 0 ||
+        sc_.parallel.sequence_parallel)
+      return;
+    emit_tp_one(x, s, mb, chunk, Op::AllGather, act_bytes_, layers);
   }
 
   // One TP collective of the segment's layer range on the blocking compute stream.
@@ -1032,6 +1060,7 @@ class Builder {
       }
       if (k == 0) gather_received_slice(x, x.recv_act[slot], Purpose::PipelineActivation, a.mb, a.chunk);
       add(x, segment_compute(Op::Forward, s, s.fwd, a), {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
+      emit_checkpoint_copy(x, s, a.mb, a.chunk, Op::CopyD2H);
       emit_tp_embedding(x, s, a.mb, a.chunk, false);
       emit_tp(x, s, a.mb, a.chunk);
       emit_tp_head(x, s, a.mb, a.chunk, false);
@@ -1065,6 +1094,8 @@ class Builder {
       const uint32_t grad_in = first ? x.recv_grad[slot] : kNone;
       if (first) gather_received_slice(x, grad_in, Purpose::PipelineGradient, a.mb, a.chunk);
       if (sc_.recompute != Recompute::none) {
+        emit_checkpoint_copy(x, s, a.mb, a.chunk, Op::CopyH2D);
+        emit_checkpoint_gather(x, s, a.mb, a.chunk);
         add(x, segment_compute(Op::Recompute, s, s.rec, a), {grad_in, ag_d, ag_e});
         if (sc_.recompute == Recompute::full) {  // the recomputed forward repeats its TP / MoE comm
           emit_tp(x, s, a.mb, a.chunk);
@@ -1251,6 +1282,11 @@ class Builder {
       Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);  // fp32 gradients on the host
       h.flops = shard * kAdamFlopsPerParam;
       h.memory_bytes = shard * (host_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param());
+      // ZeRO-Infinity: the fp32 master, momentum and variance swapped in from NVMe and back out
+      // (12 bytes each way, Lion 8), and with parameters on NVMe the updated 16-bit shard written.
+      const double states = sc_.optimizer.kind == OptimizerKind::lion ? 8.0 : 12.0;
+      if (sc_.zero.on_nvme_optimizer(sc_.cluster.nvme_bandwidth)) h.bytes += shard * 2 * states;
+      if (sc_.zero.on_nvme_param(sc_.cluster.nvme_bandwidth)) h.bytes += shard * g_;
       const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, x.last_compute});
       Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
       up.bytes = shard * g_;

@@ -246,6 +246,7 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
                        (r.fits ? "fits (" + human_bytes(cap - total) + " free)"
                                : "DOES NOT FIT by " + human_bytes(total - cap)));
   if (r.memory.host > 0) line(o, "host (CPU) memory per GPU", human_bytes(r.memory.host));
+  if (r.memory.nvme > 0) line(o, "NVMe per GPU", human_bytes(r.memory.nvme));
   if (!r.suggestions.empty()) {
     o << "\n" << (r.fits ? "Other configurations\n" : "Changes that would make it fit\n");
     for (const auto& s : r.suggestions) {
@@ -315,7 +316,7 @@ nlohmann::json report_json(const Scenario& sc, const Report& r) {
   j["memory_bytes"] = {{"params", r.memory.params}, {"grads", r.memory.grads},
                        {"optimizer", r.memory.optimizer}, {"activations", r.memory.activations},
                        {"comm_buffers", r.memory.comm_buffers}, {"temporaries", r.memory.temporaries},
-                       {"total", r.memory.total()}, {"host", r.memory.host},
+                       {"total", r.memory.total()}, {"host", r.memory.host}, {"nvme", r.memory.nvme},
                        {"gpu_capacity", r.gpu_memory_bytes}};
   j["fits"] = r.fits;
   json sug = json::array();

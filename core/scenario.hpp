@@ -107,6 +107,14 @@ struct ZeroSpec {
   ZeroEngine engine = ZeroEngine::deepspeed;
   bool offload_optimizer = false;  // optimizer states + step on the host (ZeRO-Offload)
   bool offload_param = false;      // stage 3 only: parameters live on the host
+  // ZeRO-Infinity (DeepSpeed offload_optimizer / offload_param "device": "nvme"): the offloaded
+  // optimizer states / parameters live on NVMe, swapped through host buffers at
+  // cluster.nvme_bandwidth (core/device_model.cpp).
+  bool nvme_optimizer = false;
+  bool nvme_param = false;
+  // What is priced: NVMe only where the cluster states its bandwidth (else modelled as cpu, warned).
+  bool on_nvme_optimizer(double nvme_bandwidth) const { return offload_optimizer && nvme_optimizer && nvme_bandwidth > 0; }
+  bool on_nvme_param(double nvme_bandwidth) const { return offload_param && nvme_param && nvme_bandwidth > 0; }
   bool overlap_comm = true;
   int64_t reduce_bucket_size = 500000000;     // elements (DeepSpeed's unit)
   int64_t allgather_bucket_size = 500000000;  // elements
@@ -173,6 +181,7 @@ struct FinetuneSpec {
   // method full: base parts that do not train (frozen: no gradient, no optimizer state, no reduction)
   bool freeze_embeddings = false, freeze_norms = false, freeze_attention = false, freeze_mlp = false,
        freeze_head = false;
+  bool declared = false;             // the scenario has a finetune section (a fine-tuning job)
   bool lora() const { return method == Method::lora; }
   bool freezes_anything() const {
     return lora() || freeze_embeddings || freeze_norms || freeze_attention || freeze_mlp || freeze_head;
@@ -181,6 +190,23 @@ struct FinetuneSpec {
 
 enum class Recompute { none, selective, full };
 const char* to_string(Recompute);
+
+// DeepSpeed's activation checkpointing options (deepspeed/runtime/activation_checkpointing/
+// checkpointing.py, the ds_config "activation_checkpointing" block), for layers checkpointed with
+// deepspeed.checkpointing.checkpoint (full recompute): the kept layer inputs split over the
+// tensor-parallel group and all-gathered before the recompute (partition_activations), and those
+// partitions kept in host memory, copied out in forward and back in backward
+// (cpu_checkpointing; DeepSpeed offloads only partitioned checkpoints). contiguous_memory_optimization
+// copies the checkpoints into one preallocated buffer against fragmentation, which dssim's memory
+// model does not count: accepted, no effect on bytes or time.
+struct CheckpointingSpec {
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  bool contiguous_memory_optimization = false;
+  // What applies to a scenario: full recompute, and cpu_checkpointing only with partitioning.
+  bool partitions(Recompute r) const { return partition_activations && r == Recompute::full; }
+  bool offloads(Recompute r) const { return partitions(r) && cpu_checkpointing; }
+};
 
 struct GpuSpec {
   std::string name;
@@ -222,6 +248,9 @@ struct ClusterSpec {
   std::string host_cpu = "intel";
   double host_memory_bytes = 1024e9; // per node
   double host_memory_bandwidth = 100e9;  // bytes/s per node (CPU optimizer step is bound by it)
+  // NVMe read (and write) bandwidth per node for ZeRO-Infinity's swapping; 0 = not stated (NVMe
+  // offload then refused, naming this key).
+  double nvme_bandwidth = 0;
   // A measured device profile (core/device_profile.hpp, written by `dssim calibrate`) the device
   // model uses in place of the GPU preset's curves; empty = presets only.
   std::string device_profile;
@@ -238,6 +267,7 @@ struct Scenario {
   PrecisionSpec precision;
   OptimizerSpec optimizer;
   Recompute recompute = Recompute::none;
+  CheckpointingSpec checkpointing;
   FinetuneSpec finetune;
   ClusterSpec cluster;
   std::vector<std::string> warnings; // e.g. ds_config keys dssim does not use

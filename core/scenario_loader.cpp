@@ -161,7 +161,7 @@ const std::vector<Field>& fields() {
     // top level
     add("name", [](Scenario& s, const Entry& e) { s.name = get_string(e); });
     add("description", [](Scenario&, const Entry& e) { get_string(e); });
-    add("activation_checkpointing", [](Scenario& s, const Entry& e) {
+    add("activation_checkpointing.mode", [](Scenario& s, const Entry& e) {
       bool b = false;
       if (e.value.IsScalar() && e.value.Scalar() != "none" && YAML::convert<bool>::decode(e.value, b)) {
         s.recompute = b ? Recompute::full : Recompute::none;  // Megatron's --checkpoint-activations
@@ -170,6 +170,12 @@ const std::vector<Field>& fields() {
       auto r = get_enum(e, {"none", "selective", "full"});
       s.recompute = r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
     });
+    add("activation_checkpointing.partition_activations",
+        [](Scenario& s, const Entry& e) { s.checkpointing.partition_activations = get_bool(e); });
+    add("activation_checkpointing.cpu_checkpointing",
+        [](Scenario& s, const Entry& e) { s.checkpointing.cpu_checkpointing = get_bool(e); });
+    add("activation_checkpointing.contiguous_memory_optimization",
+        [](Scenario& s, const Entry& e) { s.checkpointing.contiguous_memory_optimization = get_bool(e); });
     // model
     add("model.preset", [](Scenario&, const Entry& e) { get_string(e); });
     add("model.name", [](Scenario& s, const Entry& e) { s.model.name = get_string(e); });
@@ -233,6 +239,13 @@ const std::vector<Field>& fields() {
     // fine-tuning (core/finetune.hpp)
     add("finetune.method", [](Scenario& s, const Entry& e) {
       s.finetune.method = get_enum(e, {"full", "lora"}) == "lora" ? FinetuneSpec::Method::lora : FinetuneSpec::Method::full;
+      s.finetune.declared = true;
+    });
+    add("zero.offload_optimizer_device", [](Scenario& s, const Entry& e) {
+      s.zero.nvme_optimizer = get_enum(e, {"cpu", "nvme"}) == "nvme";
+    });
+    add("zero.offload_param_device", [](Scenario& s, const Entry& e) {
+      s.zero.nvme_param = get_enum(e, {"cpu", "nvme"}) == "nvme";
     });
     add("finetune.rank", [](Scenario& s, const Entry& e) { s.finetune.rank = get_int32(e, 1); });
     add("finetune.alpha", [](Scenario& s, const Entry& e) { s.finetune.alpha = get_positive(e, D::None); });
@@ -361,6 +374,7 @@ const std::vector<Field>& fields() {
     add("cluster.switch_latency", [](Scenario& s, const Entry& e) { s.cluster.switch_latency = get_non_negative(e, D::Time); });
     add("cluster.host_memory", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bytes = get_positive(e, D::Bytes); });
     add("cluster.host_memory_bandwidth", [](Scenario& s, const Entry& e) { s.cluster.host_memory_bandwidth = get_positive(e, D::Bandwidth); });
+    add("cluster.nvme_bandwidth", [](Scenario& s, const Entry& e) { s.cluster.nvme_bandwidth = get_non_negative(e, D::Bandwidth); });
     add("cluster.device_profile", [](Scenario& s, const Entry& e) { s.cluster.device_profile = get_string(e); });
     // cluster.gpu
     add("cluster.gpu.preset", [](Scenario&, const Entry& e) { get_string(e); });
@@ -399,6 +413,7 @@ const std::map<std::string, std::string>& sections() {
       {"precision", "precision.dtype"}, {"precision.loss_scale", "precision.loss_scale.scale"},
       {"optimizer", "optimizer.type"}, {"cluster", "cluster.preset"},
       {"cluster.gpu", "cluster.gpu.preset"}, {"finetune", "finetune.method"},
+      {"activation_checkpointing", "activation_checkpointing.mode"},
   };
   return s;
 }
@@ -442,7 +457,7 @@ std::vector<std::string> keys_of_section(const std::string& section) {
     if (sections().count(section))
       msg += "; valid keys in '" + section + "': " + join(keys_of_section(section));
     else {
-      std::vector<std::string> top = {"name", "description", "activation_checkpointing"};
+      std::vector<std::string> top = {"name", "description"};
       for (const auto& [s, _] : sections())
         if (s.find('.') == std::string::npos) top.push_back(s);
       msg += "; valid top-level keys: " + join(top);
@@ -916,6 +931,8 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "stage" << YAML::Value << z.stage << YAML::Key << "engine" << YAML::Value << to_string(z.engine);
   y << YAML::Key << "offload_optimizer" << YAML::Value << z.offload_optimizer;
   y << YAML::Key << "offload_param" << YAML::Value << z.offload_param << YAML::Key << "overlap_comm" << YAML::Value << z.overlap_comm;
+  if (z.nvme_optimizer) y << YAML::Key << "offload_optimizer_device" << YAML::Value << "nvme";
+  if (z.nvme_param) y << YAML::Key << "offload_param_device" << YAML::Value << "nvme";
   y << YAML::Key << "reduce_bucket_size" << YAML::Value << z.reduce_bucket_size;
   y << YAML::Key << "allgather_bucket_size" << YAML::Value << z.allgather_bucket_size;
   y << YAML::Key << "prefetch_bucket_size" << YAML::Value << z.prefetch_bucket_size;
@@ -942,7 +959,17 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "eps" << YAML::Value << o.eps << YAML::Key << "weight_decay" << YAML::Value << o.weight_decay;
   y << YAML::Key << "freeze_step" << YAML::Value << o.freeze_step << YAML::Key << "step" << YAML::Value << o.step;
   y << YAML::EndMap;
-  y << YAML::Key << "activation_checkpointing" << YAML::Value << to_string(s.recompute);
+  const auto& ck = s.checkpointing;
+  if (ck.partition_activations || ck.cpu_checkpointing || ck.contiguous_memory_optimization) {
+    y << YAML::Key << "activation_checkpointing" << YAML::Value << YAML::BeginMap;
+    y << YAML::Key << "mode" << YAML::Value << to_string(s.recompute);
+    y << YAML::Key << "partition_activations" << YAML::Value << ck.partition_activations;
+    y << YAML::Key << "cpu_checkpointing" << YAML::Value << ck.cpu_checkpointing;
+    y << YAML::Key << "contiguous_memory_optimization" << YAML::Value << ck.contiguous_memory_optimization;
+    y << YAML::EndMap;
+  } else {
+    y << YAML::Key << "activation_checkpointing" << YAML::Value << to_string(s.recompute);
+  }
   const auto& ft = s.finetune;
   if (ft.freezes_anything()) {
     y << YAML::Key << "finetune" << YAML::Value << YAML::BeginMap;
@@ -975,6 +1002,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "oversubscription" << YAML::Value << c.oversubscription << YAML::Key << "switch_latency" << YAML::Value << c.switch_latency;
   y << YAML::Key << "host_memory" << YAML::Value << c.host_memory_bytes;
   y << YAML::Key << "host_memory_bandwidth" << YAML::Value << c.host_memory_bandwidth;
+  if (c.nvme_bandwidth > 0) y << YAML::Key << "nvme_bandwidth" << YAML::Value << c.nvme_bandwidth;
   if (!c.device_profile.empty()) y << YAML::Key << "device_profile" << YAML::Value << c.device_profile;
   const auto& g = c.gpu;
   y << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap;

@@ -16,7 +16,8 @@ double* comm_bucket(TimeBreakdown& t, const Instruction& in) {
     case Purpose::MoEDispatch:
     case Purpose::MoECombine: return &t.exposed_ep;
     case Purpose::OffloadGradient:
-    case Purpose::OffloadParam: return &t.exposed_offload;
+    case Purpose::OffloadParam:
+    case Purpose::OffloadActivation: return &t.exposed_offload;
     default: return &t.exposed_dp;  // gradient reduce, param gather, embedding sync, 1-bit phases
   }
 }

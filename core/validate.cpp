@@ -332,6 +332,12 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << " requires ZeRO (zero.stage 1, 2 or 3): ZeRO-Offload moves the partitioned optimizer to the host; set zero.stage";
     fail();
   }
+  if ((z.nvme_optimizer && !z.offload_optimizer) || (z.nvme_param && !z.offload_param)) {
+    const char* k = z.nvme_optimizer && !z.offload_optimizer ? "zero.offload_optimizer_device" : "zero.offload_param_device";
+    o << k << at(k) << " is nvme but the offload it names is off; set "
+      << (z.nvme_optimizer && !z.offload_optimizer ? "zero.offload_optimizer" : "zero.offload_param") << ": true";
+    fail();
+  }
   c.non_negative("zero.reduce_bucket_size", static_cast<double>(z.reduce_bucket_size));
   c.non_negative("zero.allgather_bucket_size", static_cast<double>(z.allgather_bucket_size));
   c.non_negative("zero.prefetch_bucket_size", static_cast<double>(z.prefetch_bucket_size));
@@ -464,6 +470,18 @@ std::vector<std::string> validation_warnings(const Scenario& s) {
     w.push_back("optimizer.step (" + std::to_string(s.optimizer.step) + ") is within 1-bit Adam's warm-up (freeze_step " +
                 std::to_string(s.optimizer.freeze_step) +
                 "): the reported iteration uses uncompressed all-reduce; set optimizer.step >= freeze_step to see the compressed phase");
+  const CheckpointingSpec& ck = s.checkpointing;
+  if ((ck.partition_activations || ck.cpu_checkpointing) && s.recompute != Recompute::full)
+    w.push_back("activation_checkpointing.partition_activations / cpu_checkpointing act on the layers DeepSpeed "
+                "checkpoints (deepspeed.checkpointing.checkpoint): with activation_checkpointing " +
+                std::string(to_string(s.recompute)) + " they change nothing; set activation_checkpointing.mode: full");
+  else if (ck.cpu_checkpointing && !ck.partition_activations)
+    w.push_back("activation_checkpointing.cpu_checkpointing without partition_activations changes nothing: DeepSpeed "
+                "moves only partitioned checkpoints to the host (checkpointing.py); set partition_activations: true");
+  if ((s.zero.nvme_optimizer || s.zero.nvme_param) && !(s.cluster.nvme_bandwidth > 0))
+    w.push_back("NVMe offload (zero.offload_optimizer_device / offload_param_device nvme) without cluster.nvme_bandwidth: "
+                "modelled as host memory (cpu), the NVMe swapping not priced; set cluster.nvme_bandwidth to the node's "
+                "NVMe read / write bandwidth");
   if (s.zero.offload_optimizer && s.precision.dtype == Dtype::fp32)
     w.push_back("zero.offload_optimizer with precision fp32: DeepSpeed's CPU Adam is normally used with fp16/bf16");
   return w;

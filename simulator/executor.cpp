@@ -315,7 +315,8 @@ void Simulation::start(int v, uint32_t i, double ready) {
   // includes the host's sum of them): the excess follows the flow.
   const auto& gpu = sc_.cluster.gpu;
   const double bus = gpu.pcie_latency + (gpu.pcie_bandwidth > 0 ? in.bytes / gpu.pcie_bandwidth : 0.0);
-  const double host_after = in.op == Op::CopyD2H && in.memory_bytes > 0 ? std::max(0.0, secs - bus) : 0.0;
+  // (A CopyH2D's NVMe read precedes the bus in reality; its time is added after the flow alike.)
+  const double host_after = in.memory_bytes > 0 ? std::max(0.0, secs - bus) : 0.0;
   owned_plans_.push_back(std::make_unique<CommPlan>(planner_->copy(in.op, in.bytes, vr.rank, host_after)));
   const CommPlan* plan = owned_plans_.back().get();
   if (plan->closed_form) { timer(v, i, ready + secs); owned_plans_.pop_back(); return; }

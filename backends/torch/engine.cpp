@@ -102,6 +102,10 @@ class Engine {
       throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
                                               "asks for ") + to_string(sc.optimizer.kind) + ")");
     if (stage_ < 0 || stage_ > 3) throw std::invalid_argument("zero.stage must be 0..3");
+    if (sc.checkpointing.partitions(sc.recompute))
+      throw std::invalid_argument("torch backend: activation_checkpointing.partition_activations (and cpu_checkpointing) "
+                                  "is not implemented; the analytic and sim backends model it; set "
+                                  "activation_checkpointing.partition_activations: false to run");
     if (sc.finetune.freezes_anything())
       throw std::invalid_argument("torch backend: fine-tuning with frozen parameters (finetune.method lora, or "
                                   "finetune.freeze) is not implemented yet; the analytic and sim backends model it "

@@ -201,7 +201,8 @@ TEST_CASE("ds_config mapping of individual keys", "[deepspeed]") {
       if (w.find("'" + k + "'") != std::string::npos) return true;
     return false;
   };
-  CHECK(warned("zero_optimization.offload_param.device"));  // nvme modeled as cpu
+  CHECK_FALSE(warned("zero_optimization.offload_param.device"));  // nvme: ZeRO-Infinity, modelled
+  CHECK(value("zero.offload_param_device") == "nvme");
   // the offload block's buffers and pinning: one line
   CHECK(std::any_of(layer.warnings.begin(), layer.warnings.end(), [](const std::string& w) {
     return w.find("'zero_optimization.offload_param' (pin_memory)") != std::string::npos;
@@ -210,9 +211,10 @@ TEST_CASE("ds_config mapping of individual keys", "[deepspeed]") {
   CHECK(warned("zero_optimization.contiguous_gradients"));
   CHECK(warned("optimizer.params.torch_adam"));
   CHECK(warned("scheduler"));  // one line for the block
-  CHECK(warned("activation_checkpointing.partition_activations"));
-  CHECK_FALSE(warned("activation_checkpointing.cpu_checkpointing"));
-  CHECK(layer.warnings.size() == 7);
+  CHECK_FALSE(warned("activation_checkpointing.partition_activations"));  // modelled
+  CHECK(value("activation_checkpointing.partition_activations") == "true");
+  CHECK(value("activation_checkpointing.cpu_checkpointing") == "false");
+  CHECK(layer.warnings.size() == 5);
 
   auto legacy = map_deepspeed_config(json::parse(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})"), "l.json");
   CHECK(legacy.settings.at("zero.offload_optimizer").value.Scalar() == "true");
