@@ -1,9 +1,14 @@
 #include "core/grid.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 namespace dssim {
+
+int expert_data_parallel_size(const ParallelSpec& p) {
+  return std::max(1, std::max(1, p.tp) * std::max(1, p.dp) / std::max(1, p.ep));
+}
 
 ProcessGrid::ProcessGrid(const ParallelSpec& p) : tp_(p.tp), dp_(p.dp), pp_(p.pp), ep_(p.ep) {
   if (tp_ < 1 || dp_ < 1 || pp_ < 1 || ep_ < 1)
@@ -19,8 +24,9 @@ RankCoord ProcessGrid::coord(int rank) const {
   c.tp = rank % tp_;
   c.dp = (rank / tp_) % dp_;
   c.pp = rank / (tp_ * dp_);
-  c.ep = c.dp % ep_;
-  c.edp = c.dp / ep_;
+  const int q = c.tp + tp_ * c.dp;  // place in the pipeline stage (DeepSpeed's legacy expert groups)
+  c.ep = q % ep_;
+  c.edp = q / ep_;
   return c;
 }
 
@@ -29,8 +35,8 @@ int ProcessGrid::group_count(GroupKind kind) const {
     case GroupKind::TP: return dp_ * pp_;
     case GroupKind::DP: return tp_ * pp_;
     case GroupKind::PP: return tp_ * dp_;
-    case GroupKind::EP: return tp_ * pp_ * (dp_ / ep_);
-    case GroupKind::ExpertDP: return tp_ * pp_ * ep_;
+    case GroupKind::EP: return pp_ * expert_dp();
+    case GroupKind::ExpertDP: return pp_ * ep_;
     case GroupKind::Embedding: return tp_ * dp_;
     case GroupKind::World: return 1;
     case GroupKind::DPIntra:
@@ -46,8 +52,8 @@ int ProcessGrid::group_index(GroupKind kind, int rank) const {
     case GroupKind::TP: return rank / tp_;
     case GroupKind::DP: return dp_group;
     case GroupKind::PP: return rank % (tp_ * dp_);
-    case GroupKind::EP: return dp_group * (dp_ / ep_) + c.edp;
-    case GroupKind::ExpertDP: return dp_group * ep_ + c.ep;
+    case GroupKind::EP: return c.pp * expert_dp() + c.edp;
+    case GroupKind::ExpertDP: return c.pp * ep_ + c.ep;
     case GroupKind::Embedding:
       return (c.pp == 0 || c.pp == pp_ - 1) ? rank % (tp_ * dp_) : -1;
     case GroupKind::World: return 0;
@@ -70,11 +76,11 @@ std::vector<int> ProcessGrid::group_of(GroupKind kind, int rank) const {
     case GroupKind::PP:
       for (int s = 0; s < pp_; ++s) g.push_back(rank_of(c.dp, s, c.tp));
       break;
-    case GroupKind::EP:
-      for (int e = 0; e < ep_; ++e) g.push_back(rank_of(c.edp * ep_ + e, c.pp, c.tp));
+    case GroupKind::EP:  // stage ranks [edp E, (edp + 1) E)
+      for (int e = 0; e < ep_; ++e) g.push_back(c.pp * tp_ * dp_ + c.edp * ep_ + e);
       break;
-    case GroupKind::ExpertDP:
-      for (int k = 0; k < dp_ / ep_; ++k) g.push_back(rank_of(k * ep_ + c.ep, c.pp, c.tp));
+    case GroupKind::ExpertDP:  // stage ranks ep, ep + E, ep + 2E, ...
+      for (int k = 0; k < expert_dp(); ++k) g.push_back(c.pp * tp_ * dp_ + k * ep_ + c.ep);
       break;
     case GroupKind::Embedding:
       if (pp_ == 1) {

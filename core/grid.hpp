@@ -7,10 +7,19 @@
 // ranks of one pipeline stage with the same tp index (stride T), and a PP group strides by T*D
 // (= world / P). The embedding group of a pipeline is its first and last stage.
 //
-// Expert parallelism is carved out of data parallelism as DeepSpeed
-// (deepspeed/utils/groups.py, _create_expert_and_data_parallel) and Megatron-core do it: inside a DP
-// group (dp indices 0..D-1), EP groups are E consecutive dp indices, ep = dp % E; the ranks holding
-// the same experts (same ep, different dp / E) form the expert-data-parallel group.
+// Expert parallelism is carved out of data parallelism as DeepSpeed's MoE layer does it with
+// non-tensor-parallel experts (deepspeed/moe/layer.py MoE._create_process_groups: without
+// enable_expert_tensor_parallelism it calls deepspeed/utils/groups.py
+// _create_expert_and_data_parallel(ep_size) without mp_size, the "legacy" path): over the T*D ranks
+// of one pipeline stage in rank order (q = tp + T dp), EP groups are E consecutive ranks
+// (ep = q % E) and the ranks holding the same experts (same ep, q / E differs) form the
+// expert-data-parallel group. With tp = 1 these are E consecutive dp indices inside a DP group.
+// With tp > 1 the EP and expert-data-parallel groups cross TP groups: the TP peers of a rank either
+// hold other experts (same EP group) or the same ones (same expert-data-parallel group, whose
+// gradient all-reduce then sums the peers' shares of the capacity; sharded_moe.py MOELayer.forward
+// drops each TP rank to 1/T of the capacity). DeepSpeed's other grouping
+// (_create_expert_data_and_model_parallel, EP inside the DP group of one TP index) is for experts
+// split by tensor parallelism, which dssim does not model.
 #pragma once
 #include <vector>
 #include "core/program.hpp"
@@ -20,10 +29,14 @@ namespace dssim {
 
 struct RankCoord {
   int dp = 0, pp = 0, tp = 0;
-  int ep = 0;    // position inside the expert-parallel group: dp % E
-  int edp = 0;   // position inside the expert-data-parallel group: dp / E
+  int ep = 0;    // position inside the expert-parallel group: (tp + T dp) % E
+  int edp = 0;   // position inside the expert-data-parallel group: (tp + T dp) / E
   bool operator==(const RankCoord&) const = default;
 };
+
+// Size of the expert-data-parallel group: the ranks of a pipeline stage holding the same experts,
+// tp * dp / ep (>= 1; the model's ZeRO partition of the experts spans it).
+int expert_data_parallel_size(const ParallelSpec& p);
 
 class ProcessGrid {
  public:
@@ -35,6 +48,7 @@ class ProcessGrid {
   int dp() const { return dp_; }
   int pp() const { return pp_; }
   int ep() const { return ep_; }
+  int expert_dp() const { return tp_ * dp_ / ep_; }
 
   int rank_of(int dp, int pp, int tp) const { return tp + tp_ * (dp + dp_ * pp); }
   RankCoord coord(int rank) const;

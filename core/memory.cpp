@@ -12,7 +12,7 @@
 //        overlap_comm; fp32 partition gradient for the step; allgather_bucket_size), stage3.py /
 //        partitioned_param_coordinator.py (prefetch_bucket_size, max_live_parameters,
 //        param_persistence_threshold), runtime/fp16/onebit/adam.py (worker/server error buffers),
-//        moe/ (experts sharded over the expert-data-parallel group dp/ep).
+//        moe/ (experts sharded over the expert-data-parallel group tp dp / ep).
 //  [M]   Megatron-LM: vocab-parallel embedding and cross-entropy (fp32 logits), tied word embedding
 //        copy on the last pipeline stage, scatter-gather p2p of s b h / t with sequence parallelism.
 #include "core/memory.hpp"
@@ -22,6 +22,7 @@
 #include <numeric>
 
 #include "core/finetune.hpp"
+#include "core/grid.hpp"
 #include "core/model.hpp"
 
 namespace dssim {
@@ -131,7 +132,7 @@ int micro_batches_of(const Scenario& sc) {
 
 }  // namespace
 
-// Experts are replicated over the expert-data-parallel group dp / ep [DS moe].
+// Experts are replicated over the expert-data-parallel group tp dp / ep [DS moe] (core/grid.hpp).
 StageParameters stage_parameters(const Scenario& sc, int stage) {
   const ModelSpec& m = sc.model;
   const double h = m.hidden, f = ffn_hidden_of(m), v = m.vocab, s = m.seq_len;
@@ -234,7 +235,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   stage = std::clamp(stage, 0, pp - 1);
   const double t = std::max(1, par.tp);
   const double dp = std::max(1, par.dp);
-  const double expert_dp = std::max(1.0, dp / std::max(1, par.ep));  // expert-data-parallel size
+  const double expert_dp = expert_data_parallel_size(par);  // tp dp / ep ranks hold the same experts (core/grid.hpp)
   const bool mixed = sc.precision.dtype != Dtype::fp32;
   const double pb = bytes_of(sc.precision.dtype);  // compute copy of params (16-bit or fp32)
   const double gb = pb;                            // gradients in the parameter dtype [Z]

@@ -224,7 +224,8 @@ class Builder {
     // DeepSpeed's dispatch buffer [experts, capacity, h] of the b s tokens a TP rank gates, split
     // over the TP group (drop_tokens). Without dropping the capacity is the busiest expert's load,
     // known at run time only: priced as top_k x capacity_factor slots per token.
-    a2a_bytes_ = moe_routed_slots(m_, double(b_) * m_.seq_len) * m_.hidden * g_ / t_;
+    moe_buffer_bytes_ = moe_routed_slots(m_, double(b_) * m_.seq_len) * m_.hidden * g_;
+    a2a_bytes_ = moe_buffer_bytes_ / t_;
     onebit_ = sc.optimizer.onebit_compressed(zero_);
     vs_layers_ = virtual_stage_layers(sc);
     vs_first_layer_.resize(vs_layers_.size() + 1, 0);
@@ -463,7 +464,7 @@ class Builder {
       (t.expert ? etensors : dtensors).push_back(&t);
     }
     // Stage 0 (and 1-bit) all-reduces the whole unpadded buffer: partition over one rank.
-    const int dp = sc_.parallel.dp, edp = dp / std::max(1, sc_.parallel.ep);
+    const int dp = sc_.parallel.dp, edp = grid_.expert_dp();  // experts: tp dp / ep ranks (core/grid.hpp)
     dspec.dp = zero_ == 0 ? 1 : dp;
     espec.dp = zero_ == 0 ? 1 : edp;
     for (ZeroPartitionSpec* sp : {&dspec, &espec}) {
@@ -770,7 +771,7 @@ class Builder {
     const StagePlan& plan = *x.plan;
     x.tp_g = t_ > 1 ? group_id(prog, GroupKind::TP, rp.rank) : -1;
     x.dp_n = sc_.parallel.dp;
-    x.edp_n = sc_.parallel.dp / std::max(1, sc_.parallel.ep);
+    x.edp_n = grid_.expert_dp();
     x.dp_g = x.dp_n > 1 ? group_id(prog, GroupKind::DP, rp.rank) : -1;
     if (x.dp_g >= 0 && hpz_ > 1) x.hpz_g = sub_group(prog, rp.rank, GroupKind::DPIntra, hpz_);
     if (x.dp_g >= 0 && qgz_ && qgz_local_ > 1) {
@@ -938,7 +939,8 @@ class Builder {
     const int layers = s.dense_layers + s.moe_layers;
     if (x.tp_g < 0 || layers == 0) return;
     // Megatron's f/g: 2 all-reduces per layer; with sequence parallelism each becomes an
-    // all-gather + reduce-scatter pair.
+    // all-gather + reduce-scatter pair. A MoE layer's experts are not TP-split: only its attention
+    // has an f/g pair (its token drop / gather is emit_moe's).
     static constexpr Op kPlain[] = {Op::AllReduce};
     static constexpr Op kSequenceParallel[] = {Op::AllGather, Op::ReduceScatter};
     const bool sp = sc_.parallel.sequence_parallel;
@@ -947,7 +949,7 @@ class Builder {
       in.group = x.tp_g;
       in.layer_begin = s.layer_begin;
       in.layer_count = s.layer_count;
-      in.repeat = 2 * layers;
+      in.repeat = sp ? 2 * layers : 2 * s.dense_layers + s.moe_layers;
       in.bytes = act_bytes_;
       add(x, in, {});
     }
@@ -1016,8 +1018,21 @@ class Builder {
     }
   }
 
+  // A MoE layer's all-to-alls over the EP group and, with tp > 1, DeepSpeed's token drop / gather
+  // over the TP group (deepspeed/moe/sharded_moe.py MOELayer.forward, deepspeed/moe/mappings.py):
+  // the tokens are the same on every TP rank, so each keeps 1/t of the capacity slots before the
+  // dispatch (drop_tokens, no communication; its backward all-gathers the gradient) and the
+  // combined slots are all-gathered after the combine (gather_tokens; its backward is a drop).
+  // One all-gather of the whole [experts, capacity, h] buffer per layer and pass, after the two
+  // all-to-alls in both (backward: combine, dispatch, then the drop's all-gather).
   void emit_moe(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
-    if (x.ep_g < 0 || s.moe_layers == 0) return;
+    if (s.moe_layers == 0) return;
+    if (x.ep_g >= 0) emit_moe_all_to_alls(x, s, mb, chunk, backward);
+    if (x.tp_g >= 0 && !sc_.parallel.sequence_parallel)
+      emit_tp_one(x, s, mb, chunk, Op::AllGather, moe_buffer_bytes_, s.moe_layers);
+  }
+
+  void emit_moe_all_to_alls(RankCtx& x, const Segment& s, int mb, int chunk, bool backward) {
     for (int k = 0; k < 2; ++k) {
       const bool dispatch = backward ? k == 1 : k == 0;
       Instruction in = make(Op::AllToAll, Stream::Compute,
@@ -1342,7 +1357,7 @@ class Builder {
   static constexpr int64_t kQwzBlock = 8000;
   std::map<std::pair<int, std::vector<int>>, int> sub_groups_;
   bool onebit_ = false;
-  double act_bytes_ = 0, p2p_act_bytes_ = 0, p2p_grad_bytes_ = 0, a2a_bytes_ = 0;
+  double act_bytes_ = 0, p2p_act_bytes_ = 0, p2p_grad_bytes_ = 0, a2a_bytes_ = 0, moe_buffer_bytes_ = 0;
   PipelineEngineModel engine_;
   std::vector<int> vs_layers_, vs_first_layer_;
   std::vector<StagePlan> plans_;

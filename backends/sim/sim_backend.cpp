@@ -111,7 +111,10 @@ struct Plan {
 Plan plan_ranks(const Scenario& sc, const Program& p, const SimOptions& opts) {
   Plan plan;
   const GroupIndex gi(p);
-  const bool fold_ok = opts.symmetry && tp_closed_form(sc.cluster, p, opts.nvswitch_closed_form);
+  // MoE with tp > 1: TP peers share expert-parallel / expert-data-parallel groups (core/grid.hpp),
+  // so one TP rank cannot stand for its peers.
+  const bool fold_ok = opts.symmetry && tp_closed_form(sc.cluster, p, opts.nvswitch_closed_form) &&
+                       !(sc.model.is_moe() && sc.parallel.tp > 1);
   auto represented_of = [&](int rank) {
     std::vector<int> out;
     const int g = gi.find(rank, GroupKind::TP);

@@ -274,6 +274,14 @@ TEST_CASE("MoE: expert params over ep, expert states over dp / ep", "[memory]") 
   // stage 1: optimizer states of dense params over dp = 16, of experts over dp / ep = 2
   CHECK(mb.optimizer == Approx(12 * (dense_part / 16 + 6 * 2 * expert / 2)));
   CHECK(h > 0);
+  // tp 2: the experts are not TP-split and the TP peers join the expert-data-parallel group
+  // (core/grid.hpp): expert states over tp dp / ep = 4 ranks, dense ones over dp.
+  Scenario t = scenario(m, 16, 2, 1, 1);
+  t.parallel.ep = 8;
+  REQUIRE(t.parallel.tp == 2);
+  const double dense_tp = stage_parameters(t, 0).dense;
+  CHECK(stage_parameters(t, 0).expert == Approx(6 * 2 * expert));
+  CHECK(peak_memory(t).optimizer == Approx(12 * (dense_tp / 16 + 6 * 2 * expert / 4)));
 }
 
 TEST_CASE("fp32 training: 4-byte params and grads, 8-byte Adam moments", "[memory]") {

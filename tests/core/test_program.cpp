@@ -455,6 +455,70 @@ TEST_CASE("program: recompute, overlap split, interleaving, MoE, 1-bit, offload 
     c.model.drop_tokens = false;  // run-time capacity: priced as k x capacity_factor slots per token
     CHECK(a2a_bytes(c) == Approx(T * 2 * 1.3 * h * g));
   }
+  SECTION("MoE with tp > 1: DeepSpeed's token drop / gather over the TP group, experts reduced with the TP peers") {
+    // tp 2 x dp 2, 4 layers, MoE every other layer (layers 1 and 3), 4 micro-batches, bf16.
+    for (int ep : {1, 2}) {
+      Scenario sc = tiny(2, 1, 2, 1);
+      sc.model.experts = 4;
+      sc.model.moe_every = 2;
+      sc.parallel.ep = ep;
+      INFO("ep " << sc.parallel.ep);
+      const Program p = build_program(sc);
+      check_program(p);
+      const double T = double(sc.training.micro_batch) * sc.model.seq_len, h = sc.model.hidden, g = 2;
+      const double C = std::ceil(T / 4 * sc.model.capacity_factor);  // top-1, capacity per expert
+      REQUIRE(sc.model.expert_capacity(int64_t(T)) == int64_t(C));
+      const double buffer = 4 * C * h * g;  // [experts, capacity, h]
+      for (const RankProgram& rp : p.ranks) {
+        double a2a_bytes = 0, gather_bytes = 0;
+        int a2a = 0, gathers = 0, all_reduces = 0, fwd_gathers = 0;
+        bool after_forward = false;
+        for (const Instruction& in : rp.instructions) {
+          if (in.op == Op::Forward) after_forward = true;
+          if (in.op == Op::Backward) after_forward = false;
+          if (in.op == Op::AllToAll) {
+            a2a += in.repeat;
+            a2a_bytes = in.bytes;
+            CHECK(p.groups[in.group].kind == GroupKind::EP);
+          }
+          if (in.purpose == Purpose::TensorParallel && in.op == Op::AllGather) {
+            CHECK(p.groups[in.group].kind == GroupKind::TP);
+            gathers += in.repeat;
+            fwd_gathers += after_forward ? in.repeat : 0;
+            gather_bytes = in.bytes;
+          }
+          // Per layer Megatron's f/g pair forward and backward for the dense layers, the attention's
+          // only for the MoE ones; plus the embedding's forward and the head's 3 + 1.
+          if (in.purpose == Purpose::TensorParallel && in.op == Op::AllReduce) all_reduces += in.repeat;
+          if (in.purpose == Purpose::GradientReduce && p.groups[in.group].kind == GroupKind::ExpertDP) {
+            // the ranks of the stage holding the same experts: tp dp / ep of them, TP peers among them
+            CHECK(p.groups[in.group].ranks.size() == size_t(2 * 2 / sc.parallel.ep));
+          }
+        }
+        // Per MoE layer and micro-batch: the dispatch and combine of 1/tp of the capacity slots
+        // in each pass, one all-gather of the whole buffer after the combine (forward) and one for
+        // the drop's gradient (backward).
+        CHECK(a2a == (sc.parallel.ep > 1 ? 2 * 4 * 2 * 2 : 0));
+        if (sc.parallel.ep > 1) CHECK(a2a_bytes == buffer / 2);
+        CHECK(gathers == 2 * 4 * 2);
+        CHECK(fwd_gathers == 2 * 4);
+        CHECK(gather_bytes == buffer);
+        CHECK(all_reduces == 4 * (2 * (2 * 2 + 2 * 1) + 1 + 3 + 1));
+      }
+      // The expert partition spans tp dp / ep ranks (core/grid.hpp): ZeRO-1 all-gathers the
+      // updated experts over them.
+      const ProcessGrid grid(sc.parallel);
+      CHECK(grid.group_of(GroupKind::ExpertDP, 0).size() == size_t(2 * 2 / sc.parallel.ep));
+    }
+    // With sequence parallelism the Program keeps the layers' all-gather / reduce-scatter pairs
+    // (the torch backend refuses MoE with sequence parallelism).
+    Scenario sp = tiny(2, 1, 2, 1);
+    sp.model.experts = 4;
+    sp.model.moe_every = 2;
+    sp.parallel.ep = 2;
+    sp.parallel.sequence_parallel = true;
+    check_program(build_program(sp));
+  }
   SECTION("1-bit Adam after freeze_step replaces the all-reduce") {
     Scenario sc = tiny(1, 1, 4, 0);
     sc.optimizer.kind = OptimizerKind::onebit_adam;
