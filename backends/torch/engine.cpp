@@ -1030,6 +1030,12 @@ class Engine {
     if (stage_ > 2) refuse("zero.stage 3 (the experts' ZeRO-3 partition); use zero.stage 0, 1 or 2");
     if (offload_) refuse("zero.offload_optimizer; set it to false");
     if (sc_.optimizer.kind == OptimizerKind::onebit_adam) refuse("1-bit Adam; use optimizer.type: adamw");
+    const int64_t capacity = sc_.model.expert_capacity(int64_t(micro_batch_) * sc_.model.seq_len);
+    if (par.tp > 1 && sc_.model.drop_tokens && capacity % par.tp != 0)
+      throw std::invalid_argument("torch backend: MoE with parallel.tp = " + std::to_string(par.tp) + ": the expert capacity (" +
+                                  std::to_string(capacity) + " slots) is not divisible by parallel.tp; each TP rank "
+                                  "dispatches 1/tp of the slots (DeepSpeed's drop_tokens): change model.capacity_factor, "
+                                  "model.min_capacity or training.micro_batch");
     if (par.ep > 1) ep_comm_ = world_.subgroup(grid_.group_of(GroupKind::EP, rank_));
     edp_comm_ = world_.subgroup(grid_.group_of(GroupKind::ExpertDP, rank_));  // one rank: the identity
     ep_.comm = ep_comm_.get();
@@ -1037,6 +1043,7 @@ class Engine {
     ep_.rank = coord_.ep;
     ep_.wire_dtype = dtype_;
     ep_.check_bytes = sc_.model.drop_tokens;
+    tp_.all_gather_bytes_dynamic = !sc_.model.drop_tokens;  // the gathers after the combine (moe.cpp)
     ep_.sync = [this] { timing_sync(); };
     std::vector<int> layers;  // this stage's MoE layers, in the Program's order
     for (int u : layout_.units)
@@ -1067,12 +1074,13 @@ class Engine {
     return &out;
   }
   // Rank 0 puts every MoE layer's experts together, layer by layer, expert by expert (the one-rank
-  // layout): each (stage, expert-parallel rank) of data-parallel replica 0 sends its own.
+  // layout): the members of each stage's first expert-parallel group (expert-data-parallel rank 0,
+  // core/grid.hpp) send their own.
   at::Tensor assemble_experts() {
     constexpr int kTag = (1 << 30) + 1;
     const at::Tensor mine = experts_->full_master().to(at::kCPU);  // every rank: stages 1/2 all-gather
     if (rank_ != 0) {
-      if (coord_.edp == 0 && coord_.tp == 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
+      if (coord_.edp == 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
       return {};
     }
     const int local = experts_->local_experts();
@@ -1080,7 +1088,7 @@ class Engine {
     std::map<std::pair<int, int>, at::Tensor> pieces;  // (layer, global expert)
     for (int s = 0; s < sc_.parallel.pp; ++s)
       for (int j = 0; j < sc_.parallel.ep; ++j) {
-        const int r = grid_.rank_of(j, s, 0);
+        const int r = grid_.group_of(GroupKind::EP, grid_.rank_of(0, s, 0)).at(j);
         std::vector<int> layers;
         for (int u : stage_layout(cfg_, program_.ranks.at(r), sc_.parallel.pp).units)
           if (u >= 1 && u <= cfg_.layers && cfg_.moe_layer(u - 1)) layers.push_back(u - 1);
@@ -1414,7 +1422,8 @@ class Engine {
     for (const auto& [k, v] : got) all.emplace(k, 0.0);
     for (const auto& [k, want] : all) {
       if (!ep_.check_bytes && (k == counter_key(Op::AllToAll, Purpose::MoEDispatch) ||
-                               k == counter_key(Op::AllToAll, Purpose::MoECombine)))
+                               k == counter_key(Op::AllToAll, Purpose::MoECombine) ||
+                               (tp_.all_gather_bytes_dynamic && k == counter_key(Op::AllGather, Purpose::TensorParallel))))
         continue;  // drop_tokens false: the capacity is the busiest expert's load at run time
       const auto it = got.find(k);
       const double have = it == got.end() ? 0.0 : it->second;

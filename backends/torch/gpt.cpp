@@ -20,10 +20,10 @@ GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence
     throw std::invalid_argument("model: hidden (" + std::to_string(c.hidden) +
                                 ") must be divisible by heads (" + std::to_string(c.heads) + ")");
   if (m.is_moe()) {
-    if (tp > 1)
-      throw std::invalid_argument("torch backend: MoE with tensor parallelism (parallel.tp = " + std::to_string(tp) +
-                                  ") is not implemented (DeepSpeed's token dropping over the TP group); use parallel.tp: 1 "
-                                  "with parallel.ep for expert parallelism");
+    if (tp > 1 && sequence_parallel)
+      throw std::invalid_argument("torch backend: MoE with parallel.sequence_parallel is not implemented (DeepSpeed's "
+                                  "MoE layer drops and gathers tokens duplicated on the TP ranks); set "
+                                  "parallel.sequence_parallel: false");
     if (m.top_k != 1 && m.top_k != 2)
       throw std::invalid_argument("model.top_k = " + std::to_string(m.top_k) +
                                   ": the torch backend gates top-1 and top-2 (DeepSpeed's TopKGate); set model.top_k: 1 or 2");
@@ -100,6 +100,9 @@ bool replicated_over_tp(const GptConfig& c, int unit, int index) {
   if (unit == 0) return index == 1;  // wpe
   if (unit == c.final_unit()) return true;
   if (unit == c.head_copy_unit()) return false;
+  // MoE layer: ln1 w,b (0,1), proj.b (5), ln2 w,b (6,7) and the gate (8): the experts' input is
+  // whole on every TP rank
+  if (c.moe_layer(unit - 1)) return index == 0 || index == 1 || index >= 5;
   // ln1 w,b (0,1), proj.b (5), ln2 w,b (6,7), fc2.b (11)
   return index == 0 || index == 1 || index == 5 || index == 6 || index == 7 || index == 11;
 }
@@ -276,6 +279,11 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
                                   : causal_attention(qkv[0], qkv[1], qkv[2]);
   auto att = core.transpose(1, 2).reshape({B, S, hl});
   auto x1 = x + (leave_tp_region(tp, at::linear(att, v[4])) + v[5]);
+  if (moe) {  // whole tokens into the MoE layer (no f: it drops and gathers them itself, moe.hpp)
+    for (auto& e : moe->experts) e = compute_view(e);
+    moe->tp = &tp;
+    return x1 + moe_mlp_forward(*moe, v[8], layer_norm(x1, h, v[6], v[7]));
+  }
   auto y2 = enter_tp_region(tp, layer_norm(x1, h, v[6], v[7]));
   auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
   return x1 + (leave_tp_region(tp, at::linear(m, v[10])) + v[11]);

@@ -210,30 +210,42 @@ at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tens
   const int64_t B = x.size(0), S = x.size(1), h = x.size(2), T = B * S, E = m.experts, k = m.top_k;
   const int64_t ep = L.ep->size, local = E / ep;
   if (int64_t(L.experts.size()) != local) throw std::logic_error("moe: local expert count");
+  static TensorParallel no_tp;
+  TensorParallel& tp = L.tp ? *L.tp : no_tp;
   auto tokens = x.reshape({T, h});
   at::Generator gen = seeded_generator(x.device(), L.seed);
   const auto max_over_group = [&](int64_t v) {
-    if (!L.ep->comm) return v;
-    auto t = at::full({1}, double(v), at::TensorOptions().dtype(at::kFloat).device(x.device()));
-    L.ep->comm->allreduce_max(t, Purpose::None)->wait();
-    return int64_t(std::llround(t.item<double>()));
+    if (L.ep->comm) {
+      auto t = at::full({1}, double(v), at::TensorOptions().dtype(at::kFloat).device(x.device()));
+      L.ep->comm->allreduce_max(t, Purpose::None)->wait();
+      v = int64_t(std::llround(t.item<double>()));
+    }
+    // Non-TP experts under tensor parallelism: padded to a multiple of tp for the drop below
+    // (sharded_moe.py top1gating / top2gating, drop_tokens false).
+    if (tp.active()) v = (v + tp.size - 1) / tp.size * tp.size;
+    return v;
   };
   Routing r = moe_gate(tokens, gate_w, m, gen, max_over_group);
   const int64_t C = r.capacity;
-  auto dispatched = moe_dispatch(tokens, r, E);
-  // Rank j receives experts [j local, (j + 1) local) of every rank: [source rank, local expert, C, h].
-  auto received = exchange(*L.ep, dispatched, Purpose::MoEDispatch).view({ep, local, C, h});
+  if (C % tp.size != 0)  // refused at set-up (engine.cpp setup_moe); padded above without dropping
+    throw std::logic_error("moe: capacity " + std::to_string(C) + " not divisible by tp " + std::to_string(tp.size));
+  const int64_t Ct = C / tp.size;  // the capacity slots this TP rank dispatches
+  // MOELayer.forward: drop_tokens(dispatched_input, dim=1) before the dispatch all-to-all.
+  auto dispatched = drop_tokens(tp, moe_dispatch(tokens, r, E).view({E, C, h})).reshape({E * Ct, h});
+  // Rank j receives experts [j local, (j + 1) local) of every rank: [source rank, local expert, Ct, h].
+  auto received = exchange(*L.ep, dispatched, Purpose::MoEDispatch).view({ep, local, Ct, h});
   std::vector<at::Tensor> outs;
   for (int64_t e = 0; e < local; ++e) {
     const auto& p = L.experts[e];
-    auto in = received.select(1, e).reshape({ep * C, h});
+    auto in = received.select(1, e).reshape({ep * Ct, h});
     if (in.scalar_type() != p[0].scalar_type()) in = in.to(p[0].scalar_type());
     auto y = at::linear(at::gelu(at::linear(in, p[0], p[1]), "tanh"), p[2], p[3]);
-    outs.push_back(y.to(x.scalar_type()).view({ep, C, h}));
+    outs.push_back(y.to(x.scalar_type()).view({ep, Ct, h}));
   }
-  auto expert_out = at::stack(outs, 1).reshape({E * C, h});
-  auto back = exchange(*L.ep, expert_out, Purpose::MoECombine);  // [E, C, h] for this rank's tokens
-  auto out = moe_combine(back, r);
+  auto expert_out = at::stack(outs, 1).reshape({E * Ct, h});
+  auto back = exchange(*L.ep, expert_out, Purpose::MoECombine);  // [E, Ct, h] for this rank's tokens
+  // MOELayer.forward: gather_tokens(expert_output, dim=1) after the combine all-to-all.
+  auto out = moe_combine(gather_tokens(tp, back.view({E, Ct, h})).reshape({E * C, h}), r);
   L.l_aux = r.l_aux;
   L.tokens = T;
   L.assignments = T * k;

@@ -15,12 +15,21 @@
 //   dispatch   tokens copied to [experts, capacity, h] slots, all-to-all over the EP group (each
 //              rank receives its experts' slots from every rank), the local experts' MLPs, all-to-
 //              all back, combine: sum of the expert outputs weighted by the gate (top-2: the two
-//              gates renormalised to sum to 1).
+//              gates renormalised to sum to 1);
+//   tp > 1     the experts are not TP-split and the tokens are the same on every TP rank: each keeps
+//              its 1/t of the capacity slots before the dispatch all-to-all and all-gathers the
+//              combined slots over the TP group after the combine all-to-all (sharded_moe.py
+//              MOELayer.forward: drop_tokens / gather_tokens, dim=1; tensor_parallel.hpp). The
+//              capacity must be divisible by t (DeepSpeed's assert in _drop_tokens); without token
+//              dropping it is rounded up to a multiple of t (top1gating / top2gating).
 //
 // Expert parameters live outside the dense ZeRO partition (ExpertStore): their own flat buffers
 // and ZeRO stage 0/1/2 partition over the expert-data-parallel group (the ranks holding the same
 // experts), reduced there and averaged over the whole data-parallel size (DeepSpeed's
-// _reduce_expert_gradients), as the Program's expert buckets say.
+// _reduce_expert_gradients), as the Program's expert buckets say. With tp > 1 that group also
+// holds TP peers (core/grid.hpp, DeepSpeed's groups for non-TP experts), which saw other capacity
+// slots: its sum is the gradient of every slot of every data-parallel replica, so the copies of
+// an expert stay equal.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -31,6 +40,7 @@
 #include <vector>
 #include <torch/torch.h>
 #include "backends/torch/comm.hpp"
+#include "backends/torch/tensor_parallel.hpp"
 #include "core/program.hpp"
 #include "core/scenario.hpp"
 #include "core/zero_partition.hpp"
@@ -76,6 +86,7 @@ struct ExpertParallel {
 struct MoeLayer {
   const ModelSpec* model = nullptr;
   ExpertParallel* ep = nullptr;
+  TensorParallel* tp = nullptr;                  // the layer's TP group (nullptr or size 1: no drop / gather)
   // Local experts: fc.w [f, h], fc.b [f], fc2.w [h, f], fc2.b [h], in the compute dtype.
   std::vector<std::vector<at::Tensor>> experts;
   uint64_t seed = 0;                             // this layer's and micro-batch's noise and token selection

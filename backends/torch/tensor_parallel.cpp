@@ -43,8 +43,11 @@ void TensorParallel::expect(Op op, double bytes, int repeat) {
 void TensorParallel::check(const std::string& where) {
   if (expected.empty() && ledger.empty()) return;
   std::map<std::pair<int, long long>, int> diff;
-  for (const auto& [op, b] : ledger) diff[{int(op), std::llround(b)}] += 1;
-  for (const auto& [op, b] : expected) diff[{int(op), std::llround(b)}] -= 1;
+  const auto key = [&](Op op, double b) {
+    return std::make_pair(int(op), all_gather_bytes_dynamic && op == Op::AllGather ? 0 : std::llround(b));
+  };
+  for (const auto& [op, b] : ledger) diff[key(op, b)] += 1;
+  for (const auto& [op, b] : expected) diff[key(op, b)] -= 1;
   for (const auto& [k, n] : diff)
     if (n != 0)
       throw std::runtime_error("Program/engine mismatch: the engine issued " + std::to_string(std::abs(n)) + " " +
@@ -98,6 +101,13 @@ at::Tensor TensorParallel::reduce_scatter_seq(const at::Tensor& x) {
   });
 }
 
+at::Tensor TensorParallel::split_seq(const at::Tensor& x) {
+  TORCH_CHECK(x.size(1) % size == 0, "tensor parallelism: dimension 1 (", x.size(1), ") is not divisible by tp (", size,
+              ")");
+  const int64_t n = x.size(1) / size;
+  return x.narrow(1, n * rank, n).contiguous();
+}
+
 namespace {
 // One autograd function per (forward, backward) pair of the TP region's collectives; nullptr is
 // the identity (f: identity / all-reduce, g: all-reduce / identity, and the sequence-parallel pair).
@@ -116,6 +126,8 @@ using CopyToTp = TpRegion<nullptr, &TensorParallel::all_reduce>;
 using ReduceFromTp = TpRegion<&TensorParallel::all_reduce, nullptr>;
 using GatherFromSp = TpRegion<&TensorParallel::all_gather_seq, &TensorParallel::reduce_scatter_seq>;
 using ScatterToSp = TpRegion<&TensorParallel::reduce_scatter_seq, &TensorParallel::all_gather_seq>;
+using DropTokens = TpRegion<&TensorParallel::split_seq, &TensorParallel::all_gather_seq>;
+using GatherTokens = TpRegion<&TensorParallel::all_gather_seq, &TensorParallel::split_seq>;
 int64_t handle(TensorParallel& tp) { return int64_t(reinterpret_cast<intptr_t>(&tp)); }
 }  // namespace
 
@@ -130,6 +142,12 @@ at::Tensor gather_from_sp(TensorParallel& tp, const at::Tensor& x) {
 }
 at::Tensor scatter_to_sp(TensorParallel& tp, const at::Tensor& x) {
   return tp.active() ? ScatterToSp::apply(x, handle(tp)) : x;
+}
+at::Tensor drop_tokens(TensorParallel& tp, const at::Tensor& x) {
+  return tp.active() ? DropTokens::apply(x, handle(tp)) : x;
+}
+at::Tensor gather_tokens(TensorParallel& tp, const at::Tensor& x) {
+  return tp.active() ? GatherTokens::apply(x, handle(tp)) : x;
 }
 at::Tensor enter_tp_region(TensorParallel& tp, const at::Tensor& x) {
   return tp.sequence_parallel ? gather_from_sp(tp, x) : copy_to_tp(tp, x);

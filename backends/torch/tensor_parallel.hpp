@@ -7,6 +7,12 @@
 //   with sequence parallelism, f becomes gather_from_sp (all-gather along the sequence; backward
 //   reduce-scatter) and g becomes scatter_to_sp (reduce-scatter along the sequence; backward
 //   all-gather);
+//   DeepSpeed-MoE's token drop / gather (deepspeed/moe/mappings.py _DropTokens, _GatherTokens; used
+//   by deepspeed/moe/sharded_moe.py MOELayer.forward with dim=1 of the [experts, capacity, h]
+//   buffers): drop_tokens keeps this rank's 1/t of dimension 1, no communication, all-gather of the
+//   gradient in backward; gather_tokens all-gathers dimension 1, backward keeps this rank's part of
+//   the gradient. Dimension 1 is split as the sequence is (rank r: [r n/t, (r+1) n/t)), so these
+//   are the sequence split / all-gather of a [b, n, h] tensor;
 //   the vocabulary-parallel embedding (each rank looks up its vocabulary slice, the partial sums
 //   are reduced) and the vocabulary-parallel cross-entropy (max, predicted logit and sum of
 //   exponentials all-reduced over the group; no communication in backward).
@@ -36,6 +42,9 @@ struct TensorParallel {
   // (op, size bytes). The engine expect()s the TP instructions that follow a compute instruction and
   // check()s at the next one that the two are the same multiset (a mismatch throws, naming `where`).
   std::vector<std::pair<Op, double>> ledger, expected;
+  // MoE without token dropping: the capacity, hence the bytes of its all-gathers, is known at run
+  // time only; the all-gathers are then matched by count.
+  bool all_gather_bytes_dynamic = false;
   void expect(Op op, double bytes, int repeat);
   void check(const std::string& where);
   // Seconds spent in TP collectives (issue + completion), by op, while `timing`; `sync` waits for
@@ -50,12 +59,16 @@ struct TensorParallel {
   at::Tensor all_reduce_fp32(const at::Tensor& x, bool max = false);  // the cross-entropy's sums / max
   at::Tensor all_gather_seq(const at::Tensor& x);   // [b, s/t, h] -> [b, s, h]
   at::Tensor reduce_scatter_seq(const at::Tensor& x);  // [b, s, h] -> [b, s/t, h]
+  at::Tensor split_seq(const at::Tensor& x);        // [b, s, h] -> this rank's [b, s/t, h], no communication
 };
 
 at::Tensor copy_to_tp(TensorParallel& tp, const at::Tensor& x);
 at::Tensor reduce_from_tp(TensorParallel& tp, const at::Tensor& x);
 at::Tensor gather_from_sp(TensorParallel& tp, const at::Tensor& x);
 at::Tensor scatter_to_sp(TensorParallel& tp, const at::Tensor& x);
+
+at::Tensor drop_tokens(TensorParallel& tp, const at::Tensor& x);    // [b, n, h] -> [b, n/t, h]
+at::Tensor gather_tokens(TensorParallel& tp, const at::Tensor& x);  // [b, n/t, h] -> [b, n, h]
 
 // Before a column-parallel linear: f, or the sequence all-gather; after a row-parallel one: g, or
 // the sequence reduce-scatter.

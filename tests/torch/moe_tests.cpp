@@ -3,8 +3,8 @@
 // same model at ep = 1 on the same global batch (the gate's noise and token selection are drawn
 // per micro-batch of the global batch, so the routing and the drop pattern are the same; the
 // parameter dump holds the dense model then every layer's experts in order), the bytes of every
-// all-to-all and expert reduction equal to the Program's, a checkpoint resumed bit for bit, the
-// refusals.
+// all-to-all and expert reduction equal to the Program's, a checkpoint resumed bit for bit, tensor
+// parallelism (DeepSpeed's token drop / gather over the TP group), the refusals.
 #include <string>
 #include <vector>
 #include "tests/torch/harness.hpp"
@@ -49,7 +49,7 @@ Trained matches_one_rank(const std::string& layout_args, const std::string& opti
   Trained t = train(layout_args + options);
   INFO(layout_args << options);
   if (options.find("drop_tokens=false") != std::string::npos)  // the capacity is the busiest expert's load
-    require_bytes_match(t.r, {"all_to_all/moe_dispatch", "all_to_all/moe_combine"});
+    require_bytes_match(t.r, {"all_to_all/moe_dispatch", "all_to_all/moe_combine", "all_gather/tensor_parallel"});
   else
     require_bytes_match(t.r);
   CHECK(max_rel_diff(losses(ref.r), losses(t.r)) <= kTolerance);
@@ -136,10 +136,55 @@ TEST_CASE("MoE trains on tiny_corpus.txt: the loss falls", "[moe][data][gloo]") 
   CHECK(measured(r).at("moe").at("aux_loss_mean").get<double>() > 0);
 }
 
-TEST_CASE("dssim run refuses MoE with tensor parallelism and with ZeRO-3, naming the key (exit 2)", "[moe]") {
-  Result tp = run("--nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set parallel.ep=1", kScenario);
-  CHECK(tp.code == 2);
-  CHECK_THAT(tp.err, Catch::Contains("parallel.tp"));
+// DeepSpeed's MoE layer under tensor parallelism (deepspeed/moe/sharded_moe.py MOELayer.forward):
+// each TP rank dispatches 1/tp of the capacity slots and all-gathers the combined slots; the TP
+// peers sit in the same EP group (other experts) or the same expert-data-parallel group (the same
+// experts, their gradients summed there): core/grid.hpp.
+std::string tp_layout(int tp, int pp, int dp, int ep) {
+  const std::string n = std::to_string(tp * pp * dp);
+  return " --nproc " + n + " --set parallel.tp=" + std::to_string(tp) + " --set parallel.pp=" + std::to_string(pp) +
+         " --set parallel.dp=" + std::to_string(dp) + " --set parallel.ep=" + std::to_string(ep) +
+         " --set cluster.gpus_per_node=" + n + kBatch;
+}
+
+TEST_CASE("MoE with tensor parallelism: tp 2 x dp 2 at ep 2 and ep 1 match one rank over 20 steps", "[moe][tp][gloo]") {
+  // ep 2: the EP groups are the TP pairs {0, 1}, {2, 3}; the experts' copies are on ranks 0 and 2
+  // (and 1 and 3), reduced over the data-parallel replicas.
+  const Trained ep2 = matches_one_rank(tp_layout(2, 1, 2, 2), "");
+  const auto& bytes = measured(ep2.r).at("bytes_per_iteration");
+  // Per rank and iteration: 2 micro-batches x 2 MoE layers x (forward + backward). The dispatch
+  // sends this TP rank's half of the [8 experts, 20 slots, 64] fp32 buffer; one all-gather of the
+  // whole buffer after the combine (forward) and for the drop's gradient (backward).
+  CHECK(bytes.at("all_to_all/moe_dispatch").get<double>() == 2.0 * 2 * 2 * 8 * 10 * 64 * 4);
+  CHECK(bytes.at("all_to_all/moe_combine").get<double>() == 2.0 * 2 * 2 * 8 * 10 * 64 * 4);
+  CHECK(bytes.at("all_gather/tensor_parallel").get<double>() == 2.0 * 2 * 2 * 8 * 20 * 64 * 4);
+  CHECK(measured(ep2.r).at("moe").at("capacity").get<double>() == 20);
+  // ep 1: every rank holds all 8 experts and computes them on its half of the slots; the
+  // expert-data-parallel group is the whole world (TP peers included), ZeRO-1 over it.
+  const Trained ep1 = matches_one_rank(tp_layout(2, 1, 2, 1), " --set zero.stage=1");
+  CHECK(!measured(ep1.r).at("bytes_per_iteration").contains("all_to_all/moe_dispatch"));
+}
+
+TEST_CASE("MoE with tensor and pipeline parallelism: tp 2 x pp 2 x dp 2 x ep 2 matches one rank", "[moe][tp][pipeline][gloo]") {
+  matches_one_rank(tp_layout(2, 2, 2, 2), "");
+}
+
+TEST_CASE("MoE with tensor parallelism, top-1 without token dropping: the capacity rounded up to tp", "[moe][tp][gloo]") {
+  const std::string top1 = " --set model.top_k=1 --set model.capacity_factor=1.0 --set model.drop_tokens=false";
+  const Trained t = matches_one_rank(tp_layout(2, 1, 2, 2), top1);
+  CHECK(int64_t(measured(t.r).at("moe").at("capacity").get<double>()) % 2 == 0);
+}
+
+TEST_CASE("dssim run refuses MoE with sequence parallelism, a capacity tp does not divide, and ZeRO-3, naming the key (exit 2)", "[moe]") {
+  Result sp = run("--nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set parallel.ep=1 --set parallel.sequence_parallel=true",
+                  kScenario);
+  CHECK(sp.code == 2);
+  CHECK_THAT(sp.err, Catch::Contains("parallel.sequence_parallel"));
+  // ceil(64 tokens / 8 experts x 1.3 x 2) = 21 slots: not divisible by tp 2
+  Result odd = run("--nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set parallel.ep=1 --set model.capacity_factor=1.3",
+                   kScenario);
+  CHECK(odd.code == 2);
+  CHECK_THAT(odd.err, Catch::Contains("model.capacity_factor"));
   Result z3 = run("--nproc 2 --set zero.stage=3", kScenario);
   CHECK(z3.code == 2);
   CHECK_THAT(z3.err, Catch::Contains("zero.stage 3"));
