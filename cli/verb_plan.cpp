@@ -94,7 +94,9 @@ nlohmann::json entry_json(const PlanEntry& e, size_t rank, const PlanEntry& best
           {"config", {{"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"micro_batch", p.micro_batch},
                       {"grad_accum", sc.training.global_batch / (int64_t(p.micro_batch) * p.dp)},
                       {"zero_stage", p.zero}, {"offload", to_string(p.offload)}, {"recompute", to_string(p.recompute)},
-                      {"interleave", p.interleave}, {"sequence_parallel", p.sequence_parallel}}},
+                      {"interleave", p.interleave}, {"sequence_parallel", p.sequence_parallel},
+                      {"lora_rank", p.lora_rank},  // 0: not a LoRA scenario
+                      {"checkpointing", p.checkpointing == 2 ? "partition+cpu" : p.checkpointing == 1 ? "partition" : "none"}}},
           {"iteration_seconds", e.iteration_seconds},
           {"tokens_per_second", e.tokens_per_second},
           {"mfu", e.mfu},

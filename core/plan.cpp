@@ -32,6 +32,8 @@ const char* to_string(PlanDim d) {
     case PlanDim::sequence_parallel: return "sequence_parallel";
     case PlanDim::offload: return "offload";
     case PlanDim::ep: return "ep";
+    case PlanDim::lora_rank: return "lora_rank";
+    case PlanDim::checkpointing: return "checkpointing";
   }
   return "?";
 }
@@ -73,6 +75,8 @@ int PlanPoint::value(PlanDim d) const {
     case PlanDim::sequence_parallel: return sequence_parallel ? 1 : 0;
     case PlanDim::offload: return static_cast<int>(offload);
     case PlanDim::ep: return ep;
+    case PlanDim::lora_rank: return lora_rank;
+    case PlanDim::checkpointing: return checkpointing;
   }
   return 0;
 }
@@ -81,7 +85,10 @@ std::string PlanPoint::key() const {
   char buf[128];
   std::snprintf(buf, sizeof buf, "tp%d.pp%d.dp%d.mb%d.z%d.rc%d.v%d.sp%d.off%d.ep%d", tp, pp, dp, micro_batch, zero,
                 static_cast<int>(recompute), interleave, sequence_parallel ? 1 : 0, static_cast<int>(offload), ep);
-  return buf;
+  std::string k = buf;
+  if (lora_rank > 0) k += ".r" + std::to_string(lora_rank);
+  if (checkpointing > 0) k += ".ck" + std::to_string(checkpointing);
+  return k;
 }
 
 std::string PlanPoint::label() const {
@@ -94,6 +101,8 @@ std::string PlanPoint::label() const {
   if (offload == Offload::optimizer) o << " opt-offload";
   if (offload == Offload::optimizer_and_params) o << " opt+param-offload";
   o << " | " << (recompute == Recompute::none ? "no recompute" : recompute == Recompute::selective ? "selective" : "full recompute");
+  if (checkpointing > 0) o << (checkpointing == 1 ? " partitioned" : " partitioned+cpu");
+  if (lora_rank > 0) o << " | LoRA r" << lora_rank;
   return o.str();
 }
 
@@ -122,6 +131,8 @@ PlanPoint point_of(const Scenario& sc) {
   p.recompute = sc.recompute;
   p.offload = sc.zero.offload_param ? Offload::optimizer_and_params
               : sc.zero.offload_optimizer ? Offload::optimizer : Offload::none;
+  p.lora_rank = sc.finetune.lora() ? sc.finetune.rank : 0;
+  p.checkpointing = sc.checkpointing.offloads(sc.recompute) ? 2 : sc.checkpointing.partitions(sc.recompute) ? 1 : 0;
   return p;
 }
 
@@ -151,6 +162,11 @@ Scenario apply_point_cached(const Scenario& base, const PlanPoint& p, PartitionC
   s.zero.offload_optimizer = p.offload != Offload::none;
   s.zero.offload_param = p.offload == Offload::optimizer_and_params;
   s.recompute = p.recompute;
+  if (p.lora_rank > 0) s.finetune.rank = p.lora_rank;
+  if (p.recompute == Recompute::full) {  // the options act on the full recompute's checkpoints only
+    s.checkpointing.partition_activations = p.checkpointing >= 1;
+    s.checkpointing.cpu_checkpointing = p.checkpointing >= 2;
+  }
   if (p.pp == base.parallel.pp && p.interleave == base.parallel.interleave && p.ep == base.parallel.ep) return s;
   const auto key = std::make_tuple(p.pp, p.interleave, p.ep);
   if (cache) {
@@ -239,6 +255,11 @@ void for_each_point(const Space& sp, F&& f) {
   const bool offload_fixed = sp.fixed("zero.offload_optimizer") || sp.fixed("zero.offload_param");
   std::vector<int> offloads = offload_fixed ? std::vector<int>{0, 1, 2}
                                             : sp.values(PlanDim::offload, {0, 1, 2}, static_cast<int>(bp.offload), "zero.offload");
+  // LoRA rank: 4 .. 64 (the ranks the LoRA paper and PEFT recipes use), LoRA scenarios only.
+  std::vector<int> ranks = b.finetune.lora() ? sp.values(PlanDim::lora_rank, {4, 8, 16, 32, 64}, b.finetune.rank, "finetune.rank")
+                                             : std::vector<int>{0};
+  if (b.finetune.lora() && sp.varies(PlanDim::lora_rank) && !sp.fixed("finetune.rank")) add_unique(ranks, b.finetune.rank);
+  const int base_ck = bp.checkpointing;
   std::vector<int> eps = sp.values(PlanDim::ep, b.model.is_moe() ? divisors(b.model.experts, b.model.experts) : std::vector<int>{1},
                                    b.parallel.ep, "parallel.ep");
   for (int tp : tps) {
@@ -262,13 +283,19 @@ void for_each_point(const Space& sp, F&& f) {
             for (int rc : recomputes)
               for (int v : vs)
                 for (int s : sps)
-                  for (int off : offloads) {
+                  for (int off : offloads)
+                    for (int r : ranks)
+                      for (int ck : rc == static_cast<int>(Recompute::full)
+                                        ? sp.values(PlanDim::checkpointing, {0, 1, 2}, base_ck, "(not a --fix key)")
+                                        : std::vector<int>{0}) {
                     PlanPoint p;
                     p.tp = tp; p.pp = pp; p.dp = dp; p.ep = ep; p.micro_batch = mb; p.zero = z;
                     p.recompute = static_cast<Recompute>(rc);
                     p.interleave = v;
                     p.sequence_parallel = s != 0;
                     p.offload = static_cast<Offload>(off);
+                    p.lora_rank = r;
+                    p.checkpointing = ck;
                     if (sp.admits(p)) f(p);
                   }
     }
@@ -317,7 +344,13 @@ void enumerate(const Space& sp, PlanResult& res, PartitionCache& cache, Visit&& 
 Space make_space(const Scenario& resized, const PlanOptions& o) {
   Space sp{resized, 0, {}, {}, 0};
   sp.gpus = resized.cluster.world();
-  if (o.vary.empty()) sp.vary.fill(true);
+  if (o.vary.empty()) {
+    sp.vary.fill(true);
+    // Searched only when named: the LoRA rank changes what is trained (quality, not only speed),
+    // and the checkpointing options are for runs that do not fit otherwise.
+    sp.vary[static_cast<int>(PlanDim::lora_rank)] = false;
+    sp.vary[static_cast<int>(PlanDim::checkpointing)] = false;
+  }
   for (PlanDim d : o.vary) sp.vary[static_cast<int>(d)] = true;
   sp.fixes = o.fixes;
   sp.max_tp = o.max_tp > 0 ? o.max_tp : resized.cluster.gpus_per_node;
@@ -382,7 +415,7 @@ constexpr FixKey kFixKeys[] = {
     {"parallel.interleave", FixKey::integer},  {"training.micro_batch", FixKey::integer},
     {"zero.stage", FixKey::integer},           {"parallel.sequence_parallel", FixKey::boolean},
     {"zero.offload_optimizer", FixKey::boolean}, {"zero.offload_param", FixKey::boolean},
-    {"activation_checkpointing", FixKey::recompute},
+    {"activation_checkpointing", FixKey::recompute}, {"finetune.rank", FixKey::integer},
 };
 
 }  // namespace

@@ -27,11 +27,14 @@
 namespace dssim {
 
 // The searched dimensions. dp is not one: it is always GPUs / (tp * pp).
-enum class PlanDim { tp, pp, micro_batch, zero, recompute, interleave, sequence_parallel, offload, ep };
-constexpr int kPlanDims = 9;
+enum class PlanDim { tp, pp, micro_batch, zero, recompute, interleave, sequence_parallel, offload, ep,
+                     lora_rank, checkpointing };
+constexpr int kPlanDims = 11;
 const char* to_string(PlanDim);
 // "tp", "pp", "micro_batch" (also "mb"), "zero", "recompute", "interleave", "sequence_parallel"
-// (also "sp"), "offload", "ep"; "dp" is accepted by the CLI as a no-op. nullopt for anything else.
+// (also "sp"), "offload", "ep", "lora_rank" (LoRA scenarios: 4 .. 64), "checkpointing" (with full
+// recompute: DeepSpeed's partition_activations, then with cpu_checkpointing); "dp" is accepted by
+// the CLI as a no-op. nullopt for anything else.
 std::optional<PlanDim> parse_plan_dim(const std::string&);
 
 enum class Offload { none, optimizer, optimizer_and_params };
@@ -50,6 +53,8 @@ struct PlanPoint {
   Recompute recompute = Recompute::none;
   bool sequence_parallel = false;
   Offload offload = Offload::none;
+  int lora_rank = 0;         // finetune.rank of a LoRA scenario (0: not LoRA)
+  int checkpointing = 0;     // 0 none, 1 partition_activations, 2 + cpu_checkpointing
   int value(PlanDim) const;  // Recompute / Offload / bool as their integer values
   // Stable key, e.g. "tp8.pp8.dp16.mb1.z1.rc2.v1.sp0.off0.ep1": ties and the sort break on it.
   std::string key() const;

@@ -325,3 +325,37 @@ TEST_CASE("plan: progress reports the enumeration, then the scoring with the bes
   CHECK(events.back().done == r.ranked.size());
   CHECK(events.back().best == r.ranked[0].point.key());
 }
+
+TEST_CASE("plan: LoRA rank and the checkpointing options are searched when named", "[plan][finetune]") {
+  // The shipped LoRA scenario, rank and micro-batch varied: every rank is scored, each point's
+  // scenario trains adapters of that rank, and a higher rank moves more adapter gradients.
+  const Scenario lora = load_scenario("llama-7b-lora");
+  PlanOptions o;
+  o.vary = {PlanDim::lora_rank};
+  const PlanResult r = plan(lora, o);
+  std::set<int> ranks;
+  for (const PlanEntry& e : r.ranked) ranks.insert(e.point.lora_rank);
+  CHECK(ranks == std::set<int>{4, 8, 16, 32, 64});
+  CHECK(apply_point(lora, r.ranked.front().point).finetune.rank == r.ranked.front().point.lora_rank);
+  // Not varied by default; a fix holds it.
+  PlanOptions d;
+  d.vary = {PlanDim::micro_batch};
+  for (const PlanEntry& e : plan(lora, d).ranked) CHECK(e.point.lora_rank == 16);
+  PlanOptions f;
+  f.vary = {PlanDim::lora_rank};
+  f.fixes = {parse_plan_fix("finetune.rank", "8")};
+  for (const PlanEntry& e : plan(lora, f).ranked) CHECK(e.point.lora_rank == 8);
+  // Checkpointing options: only with full recompute, three values each.
+  const Scenario sc = load_scenario("gpt13b_zero2");
+  PlanOptions c;
+  c.vary = {PlanDim::checkpointing, PlanDim::tp};
+  c.fixes = {parse_plan_fix("activation_checkpointing", "full")};
+  std::set<int> cks;
+  for (const PlanEntry& e : plan(sc, c).ranked) {
+    cks.insert(e.point.checkpointing);
+    const Scenario s = apply_point(sc, e.point);
+    CHECK(s.checkpointing.partitions(s.recompute) == (e.point.checkpointing >= 1));
+    CHECK(s.checkpointing.offloads(s.recompute) == (e.point.checkpointing == 2));
+  }
+  CHECK(cks == std::set<int>{0, 1, 2});
+}
