@@ -59,12 +59,19 @@ ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, 
   // As core/program_builder lays it out: the embedding belongs to layer 0, the final norm (and the
   // last stage's copy of the tied embedding) to the last layer; stage 0 all-reduces the unpadded
   // buffer (one "rank", no alignment).
+  // Fine-tuning (lora.hpp): stages 0-2 partition the trainable tensors only (the frozen ones stay
+  // whole on every rank), stage 3 every tensor with its trainable flag.
   ZeroPartitionSpec spec;
-  for (int u : units)
-    for (const auto& p : unit_params(c, u)) {
-      spec.numel.push_back(p.numel());
+  for (int u : units) {
+    const auto ps = unit_params(c, u);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const bool tr = param_trainable(c, u, int(i));
+      if (!tr && z.stage < 3) continue;
+      spec.numel.push_back(ps[i].numel());
       spec.layer.push_back(layer_of_unit(c, u));
+      if (c.ft.active) spec.trainable.push_back(tr);
     }
+  }
   spec.dp = z.stage == 0 ? 1 : dp;
   spec.alignment = z.stage == 0 ? 1 : 2;
   spec.reduce_bucket_size = std::max<int64_t>(1, z.reduce_bucket_size);
@@ -91,7 +98,7 @@ class Engine {
          const torch::Device& device)
       : sc_(sc), program_(program), world_(world), o_(o), dev_(device), grid_(checked_grid(sc, world)),
         coord_(grid_.coord(world.rank())),
-        cfg_(GptConfig::from(sc.model, sc.parallel.tp, coord_.tp, sc.parallel.sequence_parallel)),
+        cfg_(GptConfig::from(sc.model, sc.parallel.tp, coord_.tp, sc.parallel.sequence_parallel, &sc.finetune)),
         stage_(sc.zero.stage), dp_(sc.parallel.dp), rank_(world.rank()), dpr_(coord_.dp),
         dtype_(torch_dtype(sc.precision.dtype)),
         fp16_(sc.precision.dtype == Dtype::fp16),
@@ -106,10 +113,19 @@ class Engine {
       throw std::invalid_argument("torch backend: activation_checkpointing.partition_activations (and cpu_checkpointing) "
                                   "is not implemented; the analytic and sim backends model it; set "
                                   "activation_checkpointing.partition_activations: false to run");
-    if (sc.finetune.freezes_anything())
-      throw std::invalid_argument("torch backend: fine-tuning with frozen parameters (finetune.method lora, or "
-                                  "finetune.freeze) is not implemented yet; the analytic and sim backends model it "
-                                  "(dssim scenario --backend sim); use finetune.method: full without freeze to run");
+    if (cfg_.ft.active) {  // fine-tuning: data parallelism with ZeRO 0-3 (and offload) only
+      const auto refuse = [](const std::string& what) {
+        return std::invalid_argument("torch backend: fine-tuning (finetune.method lora, or finetune.freeze) with " + what +
+                                     " is not implemented; the analytic and sim backends model it (dssim scenario)");
+      };
+      if (par.pp > 1) throw refuse("pipeline parallelism (parallel.pp > 1); set parallel.pp: 1");
+      if (par.tp > 1) throw refuse("tensor parallelism (parallel.tp > 1); set parallel.tp: 1");
+      if (sc.model.is_moe()) throw refuse("a MoE model");
+      if (sc.optimizer.kind == OptimizerKind::onebit_adam) throw refuse("1-bit Adam; use optimizer.type: adamw");
+      if (cfg_.ft.dropout > 0 && sc.recompute == Recompute::full)
+        throw refuse("finetune.dropout > 0 and recompute: full (the recomputed forward would draw another dropout "
+                     "mask); set finetune.dropout: 0 or recompute: none / selective");
+    }
     if (par.pp > 1 && stage_ >= 2)
       throw std::invalid_argument("zero.stage " + std::to_string(stage_) +
                                   " with pipeline parallelism: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 "
@@ -169,7 +185,12 @@ class Engine {
 
  private:
   // ---- memory -------------------------------------------------------------------------------
-  int64_t unit_offset(int u) const { return part_.offsets[first_tensor_[u]]; }
+  // Stages 0-2: where unit u's trainable tensors start in the flat partition, and how many
+  // elements they are (all of the unit's without fine-tuning; frozen tensors live in frozen16_).
+  int64_t unit_offset(int u) const {
+    return first_tensor_[u] < int(part_.offsets.size()) ? part_.offsets[first_tensor_[u]] : part_.numel;
+  }
+  int64_t train_numel(int u) const { return unit_train_numel_[u]; }
 
   void allocate() {
     at::NoGradGuard ng;
@@ -178,16 +199,36 @@ class Engine {
     // Offloaded states stay pageable: the copies go through small pinned staging buffers
     // (copy_gradients_to_host, host_step_and_publish), and the host allocator would round a
     // pinned 27 GB tensor of a 7B shard up to 32 GB.
+    // The partition's tensors (stages 0-2: the trainable ones, stage 3: all) and, at stages 0-2,
+    // the frozen ones' places in frozen16_.
     int t = 0;
+    int64_t frozen_total = 0;
     first_tensor_.assign(cfg_.units(), -1);
+    unit_train_numel_.assign(cfg_.units(), 0);
+    unit_train_count_.assign(cfg_.units(), 0);
+    frozen_offset_.assign(cfg_.units(), {});
     for (int u : layout_.units) {
       first_tensor_[u] = t;
-      t += int(unit_params(cfg_, u).size());
-      for (int i = first_tensor_[u]; i < t; ++i) tensor_leaf_.push_back({u, i - first_tensor_[u]});
+      const auto ps = unit_params(cfg_, u);
+      frozen_offset_[u].assign(ps.size(), -1);
+      for (int i = 0; i < int(ps.size()); ++i) {
+        const bool tr = param_trainable(cfg_, u, i);
+        if (stage_ == 3 || tr) {
+          tensor_leaf_.push_back({u, i});
+          part_trainable_.push_back(tr);
+          ++t;
+          if (tr) unit_train_numel_[u] += ps[i].numel();
+          unit_train_count_[u] += 1;
+        } else {
+          frozen_offset_[u][i] = frozen_total;
+          frozen_total += ps[i].numel();
+        }
+      }
     }
     p16_.resize(cfg_.units());
     if (stage_ <= 2) {
       flat16_ = at::zeros({part_.padded_numel}, dev16);
+      frozen16_ = at::zeros({frozen_total}, dev16);
       const int64_t n = stage_ == 0 ? part_.padded_numel : part_.shard_numel;
       if (stage_ <= 1) {
         grad16_ = at::zeros({part_.padded_numel}, dev16);
@@ -204,26 +245,37 @@ class Engine {
       }
       master_ = at::zeros({n}, st32);
       auto full32 = at::zeros({part_.padded_numel}, dev16.dtype(at::kFloat));
-      for (int u : layout_.units)
-        init_unit(cfg_, u, full32.narrow(0, unit_offset(u), unit_numel(cfg_, u)), sc_.training.seed);
+      for (int u : layout_.units) {
+        // The whole unit from the seed; its trainable tensors to the partition, frozen ones aside.
+        auto u32 = at::zeros({unit_numel(cfg_, u)}, full32.options());
+        init_unit(cfg_, u, u32, sc_.training.seed);
+        const auto views = unit_views(cfg_, u, u32);
+        int ti = first_tensor_[u];
+        for (size_t i = 0; i < views.size(); ++i) {
+          const int64_t n = views[i].numel();
+          if (frozen_offset_[u][i] >= 0) frozen16_.narrow(0, frozen_offset_[u][i], n).copy_(views[i].reshape({-1}));
+          else full32.narrow(0, part_.offsets[ti++], n).copy_(views[i].reshape({-1}));
+        }
+      }
       flat16_.copy_(full32);
       if (stage_ == 0) master_.copy_(full32);
       else master_.copy_(full32.narrow(0, part_.shard(dpr_).begin, part_.shard_numel));
       for (int u : layout_.units) {
-        const int64_t off = unit_offset(u), n_u = unit_numel(cfg_, u);
-        const at::Tensor g = stage_ <= 1        ? grad16_.narrow(0, off, n_u)
-                             : direct_partition_ ? grad_acc_.narrow(0, off, n_u)
+        const at::Tensor g = stage_ <= 1        ? grad16_
+                             : direct_partition_ ? grad_acc_
                                                  : at::Tensor();  // bound to its bucket by prepare_grad
-        p16_[u] = leaves(flat16_.narrow(0, off, n_u), g, u);
+        p16_[u] = partition_leaves(u, g);
       }
       grad_dirty_.assign(part_.grad_buckets.size(), false);
     } else {
-      int64_t shard_total = 0;
+      int64_t shard_total = 0, train_total = 0;
       for (const auto& g : part_.stage3_groups) {
         group_shard_offset_.push_back(shard_total);
+        group_train_offset_.push_back(train_total);
         shard_total += g.shard_numel;
+        train_total += g.trainable_shard_numel;
       }
-      master_ = at::zeros({shard_total}, st32);
+      master_ = at::zeros({train_total}, st32);  // the optimizer steps the trainable tensors' shards
       shard16_ = at::zeros({shard_total}, dev16);
       const int G = int(part_.stage3_groups.size());
       group_units_.assign(G, {});
@@ -244,7 +296,9 @@ class Engine {
         auto full32 = at::zeros({part_.stage3_groups[g].numel}, dev16.dtype(at::kFloat));
         for (int u : group_units_[g])
           init_unit(cfg_, u, full32.narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), sc_.training.seed);
-        master_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
+        master_.narrow(0, group_train_offset_[g], part_.stage3_groups[g].trainable_shard_numel)
+            .copy_(full_to_shard(g, full32, dpr_, true));
+        shard16_.narrow(0, group_shard_offset_[g], part_.stage3_groups[g].shard_numel)
             .copy_(full_to_shard(g, full32, dpr_));
         if (aliased_) {
           if (part_.stage3_groups[g].shard_numel != part_.stage3_groups[g].numel)
@@ -256,7 +310,6 @@ class Engine {
         for (int u : group_units_[g])
           p16_[u] = leaves(full16_[g].narrow(0, unit_group_offset_[u], unit_numel(cfg_, u)), at::Tensor(), u);
       }
-      shard16_.copy_(master_);
       gathered_.assign(G, true);
       grad_dirty_.assign(G, false);
       // Until the Program gathers them, stage-3 parameters are not resident.
@@ -269,20 +322,42 @@ class Engine {
     if (offload_param_) shard16_ = shard16_.to(at::kCPU);
   }
 
-  // Stage 3: a group's full flat tensor -> rank r's partition (per tensor ceil(n / dp), zero padded).
-  at::Tensor full_to_shard(int gi, const at::Tensor& full, int r) const {
+  // Stage 3: a group's full flat tensor -> rank r's partition (per tensor ceil(n / dp), zero
+  // padded); trainable_only: of its trainable tensors (what is reduce-scattered and stepped).
+  at::Tensor full_to_shard(int gi, const at::Tensor& full, int r, bool trainable_only = false) const {
     const auto& g = part_.stage3_groups[gi];
-    auto out = at::zeros({g.shard_numel}, full.options());
+    auto out = at::zeros({trainable_only ? g.trainable_shard_numel : g.shard_numel}, full.options());
     int64_t in_off = 0, out_off = 0;
     for (int ti : g.tensors) {
       const int64_t n = part_.offsets.size() > 0 ? tensor_numel(ti) : 0;
       const int64_t c = (n + dp_ - 1) / dp_;
+      if (trainable_only && !part_trainable_[ti]) {
+        in_off += n;
+        continue;
+      }
       const int64_t b = std::min<int64_t>(n, int64_t(r) * c), e = std::min<int64_t>(n, int64_t(r + 1) * c);
       if (e > b) out.narrow(0, out_off, e - b).copy_(full.narrow(0, in_off + b, e - b));
       in_off += n;
       out_off += c;
     }
     return out;
+  }
+  // Stage 3 with frozen tensors: the trainable pieces of this rank's shards (laid out as master_)
+  // into `shard` (laid out as shard16_), or back (to_shard false).
+  void trainable_pieces(const at::Tensor& train, const at::Tensor& shard, bool to_shard) const {
+    at::NoGradGuard ng;
+    for (int gi = 0; gi < int(part_.stage3_groups.size()); ++gi) {
+      int64_t s_off = group_shard_offset_[gi], t_off = group_train_offset_[gi];
+      for (int ti : part_.stage3_groups[gi].tensors) {
+        const int64_t c = (tensor_numel(ti) + dp_ - 1) / dp_;
+        if (part_trainable_[ti]) {
+          if (to_shard) shard.narrow(0, s_off, c).copy_(train.narrow(0, t_off, c));
+          else train.narrow(0, t_off, c).copy_(shard.narrow(0, s_off, c));
+          t_off += c;
+        }
+        s_off += c;
+      }
+    }
   }
   // Stage 3: all-gathered [dp * shard] -> the group's full flat tensor.
   void gathered_to_full(int gi, const at::Tensor& gathered, at::Tensor full) const {
@@ -355,8 +430,26 @@ class Engine {
     std::vector<at::Tensor> gviews;
     if (grad_flat.defined()) gviews = unit_views(cfg_, u, grad_flat);
     for (size_t i = 0; i < views.size(); ++i) {
-      out.push_back(views[i].detach().requires_grad_(true));
+      out.push_back(views[i].detach().requires_grad_(param_trainable(cfg_, u, int(i))));  // frozen: no gradient
       if (grad_flat.defined()) out.back().mutable_grad() = gviews[i];
+    }
+    return out;
+  }
+  // Stages 0-2: unit u's leaves, the trainable ones views of flat16_ (their .grad views of
+  // `grad_flat` at the same partition offsets, when given), the frozen ones of frozen16_.
+  std::vector<at::Tensor> partition_leaves(int u, const at::Tensor& grad_flat) {
+    std::vector<at::Tensor> out;
+    const auto ps = unit_params(cfg_, u);
+    int ti = first_tensor_[u];
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t n = ps[i].numel();
+      if (frozen_offset_[u][i] >= 0) {
+        out.push_back(frozen16_.narrow(0, frozen_offset_[u][i], n).view(ps[i].shape).detach());
+        continue;
+      }
+      const int64_t off = part_.offsets[ti++];
+      out.push_back(flat16_.narrow(0, off, n).view(ps[i].shape).detach().requires_grad_(true));
+      if (grad_flat.defined()) out.back().mutable_grad() = grad_flat.narrow(0, off, n).view(ps[i].shape);
     }
     return out;
   }
@@ -419,7 +512,7 @@ class Engine {
 
   void prepare_grad(int u) {
     if (stage_ == 2 && !direct_partition_) {
-      const int64_t b = unit_offset(u), e = b + unit_numel(cfg_, u);
+      const int64_t b = unit_offset(u), e = b + train_numel(u);
       for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
         const Range& r = part_.grad_buckets[k].range;
         if (r.begin < e && b < r.end()) bucket_grad(int(k));
@@ -428,11 +521,13 @@ class Engine {
     }
     if (stage_ < 3) return;
     const int g = group_of(u);
+    if (part_.stage3_groups[g].trainable_numel == 0) return;  // every tensor frozen: no gradient
     if (!gradg_[g].defined()) {
       gradg_[g] = at::zeros({part_.stage3_groups[g].numel}, full16_[g].options());
       for (int v : group_units_[g]) {
         auto views = unit_views(cfg_, v, gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
-        for (size_t i = 0; i < views.size(); ++i) p16_[v][i].mutable_grad() = views[i];
+        for (size_t i = 0; i < views.size(); ++i)
+          if (p16_[v][i].requires_grad()) p16_[v][i].mutable_grad() = views[i];
       }
     }
   }
@@ -511,7 +606,8 @@ class Engine {
     if (ch.first) {
       param(0, "backward");
       prepare_grad(0);
-      torch::autograd::backward({seg.output}, {grad.to(seg.output.scalar_type())});
+      if (seg.output.requires_grad())  // a frozen embedding has no backward
+        torch::autograd::backward({seg.output}, {grad.to(seg.output.scalar_type())});
       mark_dirty(0);
       complete_buckets(0);
       fold_group_now(group_of(0));
@@ -538,10 +634,10 @@ class Engine {
 
   void mark_dirty(int u) {
     if (stage_ == 3) {
-      grad_dirty_[group_of(u)] = true;
+      if (part_.stage3_groups[group_of(u)].trainable_numel > 0) grad_dirty_[group_of(u)] = true;
       return;
     }
-    const int64_t b = unit_offset(u), e = b + unit_numel(cfg_, u);
+    const int64_t b = unit_offset(u), e = b + train_numel(u);
     for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
       const Range& r = part_.grad_buckets[k].range;
       if (r.begin < e && b < r.end()) grad_dirty_[k] = true;
@@ -622,17 +718,18 @@ class Engine {
       if (gi < 0 || gi >= int(part_.stage3_groups.size()))
         throw std::runtime_error("Program error: ZeRO-3 group " + std::to_string(gi) + " does not exist");
       const auto& g = part_.stage3_groups[gi];
-      check_bytes(in, double(g.padded_numel()) * elt16());
+      // Only the trainable tensors' gradients (all of them without fine-tuning).
+      check_bytes(in, double(g.trainable_padded_numel()) * elt16());
       if (!gradg_[gi].defined()) throw std::runtime_error("Program error: reducing gradients of layer " +
                                                           std::to_string(gi) + " before its backward");
       std::vector<at::Tensor> parts;
-      for (int r = 0; r < dp_; ++r) parts.push_back(full_to_shard(gi, gradg_[gi], r));
+      for (int r = 0; r < dp_; ++r) parts.push_back(full_to_shard(gi, gradg_[gi], r, true));
       auto input = at::cat(parts);
-      auto out = at::empty({g.shard_numel}, input.options());
+      auto out = at::empty({g.trainable_shard_numel}, input.options());
       auto work = dp_comm_->reduce_scatter(out, input, in.purpose);
       drop_group_grad(gi);  // the input is a copy
       defer({Deferred::Reduce, gi, in.micro_batch, work, [this, gi, out, input]() {
-               accumulate(gi, group_shard_offset_[gi], out);
+               accumulate(gi, group_train_offset_[gi], out);
              }});
     }
   }
@@ -712,7 +809,8 @@ class Engine {
       fold_full(r, buf, k);
       buf.zero_();
     } else {
-      accumulate(k, group_shard_offset_[k], dp_ == 1 ? gradg_[k] : full_to_shard(k, gradg_[k], 0));
+      accumulate(k, group_train_offset_[k],
+                 dp_ == 1 && !cfg_.ft.active ? gradg_[k] : full_to_shard(k, gradg_[k], 0, true));
       drop_group_grad(k);
     }
     grad_dirty_[k] = false;
@@ -774,7 +872,7 @@ class Engine {
   // Program sums it over the TP group first (reduce_sequence_parallel_grads folds it after that).
   void complete_buckets(int u) {
     if (stage_ != 2 || direct_partition_ || dp_ != 1) return;
-    const int t0 = first_tensor_[u], t1 = t0 + int(p16_[u].size());
+    const int t0 = first_tensor_[u], t1 = t0 + unit_train_count_[u];
     for (int k = 0; k < int(part_.grad_buckets.size()); ++k) {
       const int ft = part_.grad_buckets[k].first_tensor;
       if (ft >= t0 && ft < t1 && !has_sp_sum(k)) fold_local_bucket(k);
@@ -991,6 +1089,7 @@ class Engine {
   // Which gradients this rank counts in the global norm: a TP-replicated tensor on TP rank 0
   // only, the last stage's copy of the tied embedding never (the first stage counts it).
   void plan_gradient_norm() {
+    if (cfg_.ft.active) return;  // tp = pp = 1 (checked): the whole accumulator counts
     for (int u : layout_.units) {
       int64_t off = unit_offset(u);
       const auto ps = unit_params(cfg_, u);
@@ -1257,10 +1356,13 @@ class Engine {
   // the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam
   // step-plus-copy): the Program's HostOptimizerStep and its CopyH2D, the copy timed as the latter.
   void host_step_and_publish(const at::Tensor& g, const AdamWHyper& hyper) {
+    const bool pieces = stage_ == 3 && cfg_.ft.active;  // the trainable shards, then into shard16_
     at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel)
-                                                          : shard16_;
+                                 : pieces ? at::empty({master_.numel()}, shard16_.options())
+                                          : shard16_;
     inner_seconds_["copy_h2d"] += dssim::tb::host_step_and_publish(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper,
                                                                    dst, staging16_);
+    if (pieces) trainable_pieces(dst, shard16_, true);
     const int64_t n = master_.numel();
     count_copy(Op::CopyH2D, Purpose::OffloadParam, double(n) * elt16());  // the Program's CopyH2D
   }
@@ -1294,6 +1396,7 @@ class Engine {
     at::NoGradGuard ng;
     if (stage_ == 0) flat16_.copy_(master_);
     else if (stage_ <= 2) flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel).copy_(master_);
+    else if (cfg_.ft.active) trainable_pieces(master_, shard16_, true);
     else shard16_.copy_(master_);
   }
 
@@ -1341,6 +1444,7 @@ class Engine {
   }
 
   void dump_params() {
+    if (cfg_.ft.active) return dump_finetuned_params();
     at::NoGradGuard ng;
     at::Tensor full;
     if (stage_ == 0) full = master_.to(at::kCPU);
@@ -1371,6 +1475,61 @@ class Engine {
     if (rank_ != 0) return;
     std::ofstream out(o_.dump_params, std::ios::binary | std::ios::trunc);
     out.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
+  }
+
+  // Fine-tuning (tp = pp = 1): the whole base model in fp32, laid out as a run without fine-tuning
+  // dumps it (unit order), then the adapters (unit order): the fp32 master of the trainable tensors,
+  // the compute-dtype copy of the frozen ones.
+  void dump_finetuned_params() {
+    at::NoGradGuard ng;
+    std::vector<std::vector<at::Tensor>> units(cfg_.units());  // per unit, its tensors in fp32 (CPU)
+    if (stage_ <= 2) {
+      at::Tensor train = master_.to(at::kCPU);
+      if (stage_ >= 1) {
+        auto mine = master_.to(dev_).contiguous();
+        auto all = at::empty({part_.padded_numel}, mine.options());
+        dp_comm_->all_gather(all, mine, Purpose::None)->wait();
+        train = all.to(at::kCPU);
+      }
+      const at::Tensor frozen = frozen16_.to(at::kCPU).to(at::kFloat);
+      for (int u : layout_.units) {
+        const auto ps = unit_params(cfg_, u);
+        int ti = first_tensor_[u];
+        for (size_t i = 0; i < ps.size(); ++i) {
+          const int64_t n = ps[i].numel();
+          units[u].push_back(frozen_offset_[u][i] >= 0 ? frozen.narrow(0, frozen_offset_[u][i], n)
+                                                       : train.narrow(0, part_.offsets[ti++], n));
+        }
+      }
+    } else {
+      // This rank's shards in fp32: the frozen tensors' from the compute-dtype shard, the
+      // trainable ones' from the master; gathered per group.
+      at::Tensor shard32 = shard16_.to(at::kFloat).to(dev_);
+      trainable_pieces(master_.to(dev_), shard32, true);
+      for (int gi = 0; gi < int(part_.stage3_groups.size()); ++gi) {
+        const auto& g = part_.stage3_groups[gi];
+        auto mine = shard32.narrow(0, group_shard_offset_[gi], g.shard_numel).contiguous();
+        auto out = at::empty({g.padded_numel()}, mine.options());
+        dp_comm_->all_gather(out, mine, Purpose::None)->wait();
+        auto f = at::empty({g.numel}, mine.options());
+        gathered_to_full(gi, out, f);
+        f = f.to(at::kCPU);
+        for (int u : group_units_[gi])
+          for (const auto& v : unit_views(cfg_, u, f.narrow(0, unit_group_offset_[u], unit_numel(cfg_, u))))
+            units[u].push_back(v.reshape({-1}));
+      }
+    }
+    if (rank_ != 0) return;
+    std::vector<at::Tensor> out;
+    for (int pass = 0; pass < 2; ++pass)  // base, then adapters
+      for (int u : layout_.units) {
+        const int nb = base_param_count(cfg_, u);
+        for (int i = 0; i < int(units[u].size()); ++i)
+          if ((i >= nb) == (pass == 1)) out.push_back(units[u][i].reshape({-1}));
+      }
+    const at::Tensor full = at::cat(out).contiguous();
+    std::ofstream f(o_.dump_params, std::ios::binary | std::ios::trunc);
+    f.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
   }
 
   // Rank 0 puts the whole model together from the data-parallel rank 0 of every (stage, TP rank),
@@ -1632,7 +1791,16 @@ class Engine {
   std::map<std::pair<Op, Purpose>, double> copy_bytes_;
   std::map<std::pair<Op, Purpose>, int64_t> copy_calls_;
   ZeroPartition part_;
-  std::vector<int> first_tensor_;
+  std::vector<int> first_tensor_;  // per unit: its first tensor in the partition
+  // Fine-tuning: per unit its trainable elements and partition tensors, per (unit, parameter) the
+  // offset in frozen16_ (-1: in the partition); per partition tensor whether it trains; stage 3:
+  // each group's trainable shard in master_.
+  std::vector<int64_t> unit_train_numel_;
+  std::vector<int> unit_train_count_;
+  std::vector<std::vector<int64_t>> frozen_offset_;
+  std::vector<bool> part_trainable_;
+  std::vector<int64_t> group_train_offset_;
+  at::Tensor frozen16_;  // stages 0-2: the frozen tensors, whole, in the compute dtype
   std::vector<std::pair<int, int>> tensor_leaf_;  // per tensor of the partition: (unit, index in p16_[unit])
   std::vector<std::vector<at::Tensor>> p16_;  // per unit: the parameter leaves
   std::vector<bool> gathered_;
@@ -1784,7 +1952,7 @@ EngineResult Engine::run() {
     grads += experts_->gradient_bytes();
     optim += experts_->optimizer_bytes();
   }
-  if (stage_ <= 2) params = bytes(flat16_) + (experts_ ? experts_->parameter_bytes() : 0.0);
+  if (stage_ <= 2) params = bytes(flat16_) + bytes(frozen16_) + (experts_ ? experts_->parameter_bytes() : 0.0);
   else {
     params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;
     if (!aliased_)
@@ -1805,7 +1973,7 @@ EngineResult Engine::run() {
 }  // namespace
 
 ZeroPartition engine_partition(const Scenario& sc) {
-  const GptConfig c = GptConfig::from(sc.model);
+  const GptConfig c = GptConfig::from(sc.model, 1, 0, false, &sc.finetune);
   std::vector<int> units;
   for (int u = 0; u <= c.final_unit(); ++u) units.push_back(u);
   return make_zero_partition(partition_spec(c, sc.zero, sc.parallel.dp, units));

@@ -6,8 +6,10 @@
 
 namespace dssim::tb {
 
-GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence_parallel) {
+GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence_parallel,
+                          const FinetuneSpec* finetune) {
   GptConfig c;
+  if (finetune) c.ft = FinetuneConfig::from(m, *finetune);
   c.layers = m.layers;
   c.hidden = m.hidden;
   c.heads = m.heads;
@@ -75,7 +77,8 @@ int64_t ParamSpec::numel() const {
   return n;
 }
 
-std::vector<ParamSpec> unit_params(const GptConfig& c, int unit) {
+namespace {
+std::vector<ParamSpec> base_unit_params(const GptConfig& c, int unit) {
   const int64_t h = c.hidden, f = c.ffn / c.tp, ht = c.hidden / c.tp, v = c.vocab_local();
   if (unit == 0)
     return {{"wte", {v, h}, ParamSpec::Normal}, {"wpe", {c.seq_len, h}, ParamSpec::Normal}};
@@ -94,6 +97,13 @@ std::vector<ParamSpec> unit_params(const GptConfig& c, int unit) {
           {"ln2.w", {h}, ParamSpec::Ones},        {"ln2.b", {h}, ParamSpec::Zeros},
           {"fc.w", {f, h}, ParamSpec::Normal},    {"fc.b", {f}, ParamSpec::Zeros},
           {"fc2.w", {h, f}, ParamSpec::ScaledNormal}, {"fc2.b", {h}, ParamSpec::Zeros}};
+}
+}  // namespace
+
+std::vector<ParamSpec> unit_params(const GptConfig& c, int unit) {
+  std::vector<ParamSpec> ps = base_unit_params(c, unit);
+  for (auto& a : lora_params(c, unit)) ps.push_back(std::move(a));
+  return ps;
 }
 
 bool replicated_over_tp(const GptConfig& c, int unit, int index) {
@@ -184,8 +194,10 @@ void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed) {
       case ParamSpec::ScaledNormal: views[i].normal_(0.0, scaled, gen); break;
       case ParamSpec::Zeros: views[i].zero_(); break;
       case ParamSpec::Ones: views[i].fill_(1.0); break;
+      case ParamSpec::LoraA: break;  // init_lora, from a generator of its own
     }
   }
+  init_lora(c, unit, views, seed);
 }
 
 namespace {
@@ -256,18 +268,22 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
     auto y = layer_norm(x, h, v[0], v[1]);
     // unbind, not qkv[i]: select's backward would zero-fill a whole qkv-sized gradient per part and
     // add the three (about 5 % of the block's backward on an H200); unbind's stacks them once.
-    auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
+    // LoRA adapters (lora.hpp) follow the block's 12 tensors.
+    const auto lin = [&](LoraTarget t, const at::Tensor& in, int w) {
+      return lora_add(c, v, 12, t, in, at::linear(in, v[w], v[w + 1]));
+    };
+    auto qkv = lin(LoraTarget::qkv, y, 2).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
                                     : causal_attention(qkv[0], qkv[1], qkv[2]);
     auto att = core.transpose(1, 2).reshape({B, S, h});
-    auto x1 = x + at::linear(att, v[4], v[5]);
+    auto x1 = x + lin(LoraTarget::o, att, 4);
     auto y2 = layer_norm(x1, h, v[6], v[7]);
     if (moe) {
       for (auto& e : moe->experts) e = compute_view(e);
       return x1 + moe_mlp_forward(*moe, v[8], y2);
     }
-    auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
-    return x1 + at::linear(m, v[10], v[11]);
+    auto m = at::gelu(lin(LoraTarget::mlp_up, y2, 8), "tanh");
+    return x1 + lin(LoraTarget::mlp_down, m, 10);
   }
   // Megatron: column-parallel QKV and MLP-up after f (or the sequence all-gather), row-parallel
   // projection and MLP-down before g (or the sequence reduce-scatter), biases of the row-parallel
@@ -295,7 +311,7 @@ at::Tensor head_loss(const GptConfig& c, TensorParallel& tp, const std::vector<a
   auto e = compute_view({wte});
   auto y = layer_norm(x, c.hidden, f[0], f[1]);
   if (!tp.active()) {
-    auto logits = at::matmul(y, e[0].t());
+    auto logits = lora_add(c, f, 2, LoraTarget::lm_head, y, at::matmul(y, e[0].t()));
     return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));
   }
   // Column-parallel LM head over this rank's vocabulary rows, vocabulary-parallel cross-entropy.

@@ -8,6 +8,7 @@
 //   MoE block: ln1, qkv, proj, ln2 as above; gate w [experts, h] (no bias); the experts' MLPs
 //              live outside the units (backends/torch/moe.hpp ExpertStore)
 //   final:     lnf w,b [h]; the LM head is wte (tied)
+//   LoRA:      a block's adapters follow its tensors, the lm_head's the final norm's (lora.hpp)
 //   head copy: wte [V, h] (pp > 1: the last stage's copy, kept equal by the EmbeddingSync)
 // With tensor parallelism (tp = t > 1, Megatron's layout) a rank holds its slice: wte [V/t, h]
 // (vocabulary rows), qkv [3h/t, h] (its heads' q, k and v rows), proj [h, h/t] (its heads'
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 #include <torch/torch.h>
+#include "backends/torch/lora.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/scenario.hpp"
@@ -30,8 +32,10 @@ struct GptConfig {
   int tp = 1, tp_rank = 0;         // tensor-parallel size and this rank's index in its group
   bool sequence_parallel = false;  // activations outside the TP regions are sequence shards
   int experts = 0, moe_every = 1;  // MoE: every moe_every-th layer (core/model.cpp is_moe_layer)
+  FinetuneConfig ft;               // what trains; LoRA adapters (backends/torch/lora.hpp)
   // Throws std::invalid_argument naming the key when the model cannot be split tp ways.
-  static GptConfig from(const ModelSpec& m, int tp = 1, int tp_rank = 0, bool sequence_parallel = false);
+  static GptConfig from(const ModelSpec& m, int tp = 1, int tp_rank = 0, bool sequence_parallel = false,
+                        const FinetuneSpec* finetune = nullptr);
   int units() const { return layers + 3; }  // embedding, blocks, final norm, head copy
   int block_unit(int layer) const { return layer + 1; }
   int final_unit() const { return layers + 1; }
@@ -46,7 +50,7 @@ struct GptConfig {
 struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
-  enum Init { Normal, ScaledNormal, Zeros, Ones } init;
+  enum Init { Normal, ScaledNormal, Zeros, Ones, LoraA } init;
   int64_t numel() const;
 };
 
