@@ -265,6 +265,9 @@ const std::vector<Field>& fields() {
         const std::string name = item.Scalar();
         if (!parse_lora_target(name, s.finetune.targets)) {
           std::string msg = e.origin + ": " + e.where() + ": unknown LoRA target '" + name + "'";
+          if (name == "c_proj")  // GPT-2 names two different linears so
+            throw ConfigError(msg + ": GPT-2's c_proj is both the attention output and the MLP down projection; "
+                                    "name them o (o_proj) and / or mlp_down (down_proj)");
           const std::string near = closest(name, lora_target_names());
           if (!near.empty()) msg += "; did you mean '" + near + "'?";
           throw ConfigError(msg + "; known: " + join(lora_target_names()));

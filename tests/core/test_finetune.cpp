@@ -71,7 +71,7 @@ TEST_CASE("LoRA targets: PEFT's defaults per architecture, aliases, all-linear",
 TEST_CASE("fine-tuning keys: clear errors naming the key", "[finetune][validate]") {
   using test::config_error;
   CHECK_THAT(config_error([] { llama7b("finetune: {method: lora, targets: [c_proj]}\n"); }),
-             Contains("finetune.targets") && Contains("unknown LoRA target 'c_proj'"));
+             Contains("finetune.targets") && Contains("unknown LoRA target 'c_proj'") && Contains("mlp_down"));
   CHECK_THAT(config_error([] { llama7b("finetune: {method: lora, targets: [qkv, q_proj]}\n"); }),
              Contains("qkv") && Contains("q, k, v"));
   CHECK_THAT(config_error([] { llama7b("finetune: {method: lora, freeze: [embeddings]}\n"); }),
