@@ -129,13 +129,22 @@ double layer_trainable_params(const ModelSpec& m, const FinetuneSpec& f, double 
   return n;
 }
 
+double embedding_trainable_params(const ModelSpec& m, const FinetuneSpec& f, double t) {
+  if (!base_trains(m, f, BasePart::embedding)) return 0;
+  return double(m.vocab) / t * m.hidden + (m.rotary ? 0.0 : double(m.seq_len) * m.hidden);
+}
+
+double head_trainable_params(const ModelSpec& m, const FinetuneSpec& f, bool has_output_layer, double t) {
+  double n = head_adapter_params(m, f);
+  if (base_trains(m, f, BasePart::norm)) n += norm_params(m);  // final norm
+  if (has_output_layer && base_trains(m, f, BasePart::head)) n += double(m.vocab) / t * m.hidden;
+  return n;
+}
+
 double trainable_parameter_count(const ModelSpec& m, const FinetuneSpec& f) {
   if (!f.freezes_anything()) return parameter_count(m);
-  double n = m.layers * layer_trainable_params(m, f) + head_adapter_params(m, f);
-  if (base_trains(m, f, BasePart::embedding)) n += embedding_params(m);
-  if (base_trains(m, f, BasePart::norm)) n += norm_params(m);  // final norm
-  if (!m.tied_embeddings && base_trains(m, f, BasePart::head)) n += double(m.vocab) * m.hidden;
-  return n;
+  return m.layers * layer_trainable_params(m, f) + embedding_trainable_params(m, f) +
+         head_trainable_params(m, f, !m.tied_embeddings);
 }
 
 double total_parameter_count(const ModelSpec& m, const FinetuneSpec& f) {

@@ -44,6 +44,11 @@ enum class BasePart { embedding, norm, attention, mlp, head };
 bool base_trains(const ModelSpec& m, const FinetuneSpec& f, BasePart part);
 // Trainable elements of one transformer layer (adapters + trained base parts; TP-split by t).
 double layer_trainable_params(const ModelSpec& m, const FinetuneSpec& f, double t = 1);
+// Trainable elements of the embedding (word table / t, learned positions) and of the head (final
+// norm, the lm_head adapter, and the output layer / t when the stage holds one: untied, or the tied
+// copy on a pipeline's last stage). Used by the memory model, the Program and the counts alike.
+double embedding_trainable_params(const ModelSpec& m, const FinetuneSpec& f, double t = 1);
+double head_trainable_params(const ModelSpec& m, const FinetuneSpec& f, bool has_output_layer, double t = 1);
 // The whole model's trainable parameters (adapters included) and all parameters (base + adapters).
 double trainable_parameter_count(const ModelSpec& m, const FinetuneSpec& f);
 double total_parameter_count(const ModelSpec& m, const FinetuneSpec& f);

@@ -198,11 +198,9 @@ StageParameters stage_parameters(const Scenario& sc, int stage) {
   }
   const bool first = stage == 0, last = stage == pp - 1;
   if (frozen_any) {
-    if (first && base_trains(m, ft, BasePart::embedding)) p.trainable_dense += v * h / t + (m.rotary ? 0 : s * h);
+    if (first) p.trainable_dense += embedding_trainable_params(m, ft, t);
     if (last) {
-      if (base_trains(m, ft, BasePart::norm)) p.trainable_dense += norm_params(m);
-      if ((!m.tied_embeddings || (pp > 1 && !first)) && base_trains(m, ft, BasePart::head)) p.trainable_dense += v * h / t;
-      p.trainable_dense += head_adapter_params(m, ft);
+      p.trainable_dense += head_trainable_params(m, ft, !m.tied_embeddings || (pp > 1 && !first), t);
       p.dense += head_adapter_params(m, ft);
     }
   }

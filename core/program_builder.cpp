@@ -365,11 +365,8 @@ class Builder {
       if (seg.head) params += norm_params(m_) + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
       if (ft.freezes_anything()) {  // only trainable gradients are folded
         params = seg.layer_count * layer_trainable_params(m_, ft, t);
-        if (seg.embedding && base_trains(m_, ft, BasePart::embedding))
-          params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
-        if (seg.head)
-          params += (base_trains(m_, ft, BasePart::norm) ? norm_params(m_) : 0.0) + head_adapter_params(m_, ft) +
-                    (!m_.tied_embeddings && base_trains(m_, ft, BasePart::head) ? double(m_.vocab) / t * h : 0.0);
+        if (seg.embedding) params += embedding_trainable_params(m_, ft, t);
+        if (seg.head) params += head_trainable_params(m_, ft, !m_.tied_embeddings, t);  // ZeRO-3: pp 1
       }
       LayerOp fold;
       fold.name = "zero3_gradient_fold";
