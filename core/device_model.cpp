@@ -93,6 +93,7 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
     for (const LayerOp& op : program.op_lists[inst.ops]) {
       switch (inst.op) {
         case Op::Backward:
+          if (op.grads_in_forward) break;  // run in the forward (fused linear cross-entropy)
           if (op.gemm && op.attention_core && flash_attention_) {
             t += flash_backward_seconds(op);
           } else if (op.gemm) {
@@ -107,6 +108,7 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
           break;
         default:
           if (!op.backward_only) t += kernel_seconds(op);
+          if (op.grads_in_forward && op.gemm) t += backward_gemm_seconds(op);
       }
     }
     return t;

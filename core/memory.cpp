@@ -378,7 +378,19 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // saved log-softmax, the incoming gradient and the input gradient at once, 3 x 4 b s V / t on
   // the last stage, on top of every activation of the micro-batch (its backward comes first).
   // (Megatron's fused vocab-parallel cross-entropy works in place: about 1 x 4 b s V / t.)
-  if (stage == pp - 1) backward_transient = 12.0 * b * s * v / t;
+  // Fused linear cross-entropy (ModelSpec::fused_cross_entropy): one chunk's logits, fp32
+  // probabilities and gradient (fp16: 8 bytes per logit; bf16 also holds the logits' fp32 cast
+  // while the softmax runs: 10; fp32: 12), and the gradients kept from the forward for the
+  // backward: the head input's [b s x h] and the head weight's [V / t x h].
+  if (stage == pp - 1) {
+    if (m.fused_cross_entropy) {
+      const double chunk = double(fused_cross_entropy_chunk_tokens(int64_t(b * s), int64_t(v / t)));
+      const double per_logit = sc.precision.dtype == Dtype::bf16 ? 8.0 + pb : 4.0 + 2 * pb;
+      backward_transient = per_logit * chunk * v / t + pb * (b * s * h + v / t * h);
+    } else {
+      backward_transient = 12.0 * b * s * v / t;
+    }
+  }
   // ZeRO-3: the 16-bit gradients of the layer groups in backward at once, before the reduce-scatter
   // (or, on one rank, the fold into the fp32 buffer) frees them: at the head's backward, the last
   // layer's group and the tied embedding's (the largest module and two layers); with a

@@ -410,6 +410,25 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
   std::vector<LayerOp> ops;
   ops.push_back(norm_op(m, "final_", "", norm_tokens, h, e));
+  if (m.fused_cross_entropy) {
+    // Fused linear cross-entropy (ModelSpec::fused_cross_entropy), chunk by chunk in the forward:
+    // the logits GEMM, one kernel from the 16-bit logits to fp32 probabilities (read e, write 4),
+    // the gradient (softmax - one-hot) / tokens cast to 16 bits (read 4, write e), and the head's
+    // input and weight gradient GEMMs. Backward only scales the two gradients by the incoming one.
+    LayerOp logits = gemm_op("logits", 1, tokens, v / t, h, e);
+    logits.grads_in_forward = true;
+    ops.push_back(logits);
+    LayerOp ce = elementwise_op("fused_cross_entropy", tokens * v / t, kSoftmaxFlopsPerElement + 2, 8 + 2 * e);
+    ce.kernel = "fused_cross_entropy";
+    ce.grads_in_forward = true;
+    ops.push_back(ce);
+    LayerOp scale = elementwise_op("fused_cross_entropy_scale", tokens * h + v / t * h, 1, 2 * e);
+    scale.backward_only = true;
+    ops.push_back(scale);
+    ops.push_back(grad_accumulate_op(v / t * h + norm_params(m), e));
+    finetune_head_ops(ops, m, shape);
+    return ops;
+  }
   ops.push_back(gemm_op("logits", 1, tokens, v / t, h, e));
   // PyTorch's cross-entropy on fp32 logits (dssim's engine): the cast (read 16-bit, write fp32),
   // log-softmax (two reads for max and sum, one write); backward: the nll gradient zero-filled,
@@ -441,8 +460,22 @@ OpsCost sum_cost(const std::vector<LayerOp>& ops) {
     if (op.gemm) c.gemm_flops += op.flops;
     c.memory_bytes += op.memory_bytes;
     c.kernels += 1;
+    if (op.grads_in_forward && op.gemm) {  // its dgrad (and wgrad) GEMMs run here too
+      const double f = op.frozen ? 1 : 2;
+      c.flops += f * op.flops;
+      c.gemm_flops += f * op.flops;
+      c.memory_bytes += f * op.memory_bytes;
+      c.kernels += int(f);
+    }
   }
   return c;
+}
+
+int64_t fused_cross_entropy_chunk_tokens(int64_t tokens, int64_t vocab_local) {
+  constexpr double kChunkProbabilityBytes = 1024.0 * 1024.0 * 1024.0;
+  if (tokens <= 0 || vocab_local <= 0) return std::max<int64_t>(tokens, 1);
+  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(4.0 * double(tokens) * double(vocab_local) / kChunkProbabilityBytes)));
+  return (tokens + chunks - 1) / chunks;
 }
 
 // Backward: each GEMM becomes two (dgrad: dA = dC B^T, wgrad: dB = A^T dC), each reading two operands
@@ -452,6 +485,7 @@ OpsCost sum_cost(const std::vector<LayerOp>& ops) {
 OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
   OpsCost c;
   for (const auto& op : forward_ops) {
+    if (op.grads_in_forward) continue;  // computed in the forward (fused linear cross-entropy)
     const double f = op.backward_only || op.frozen ? 1 : 2;  // a frozen weight: dgrad only
     c.flops += f * op.flops;
     if (op.gemm) c.gemm_flops += f * op.flops;

@@ -65,6 +65,10 @@ struct LayerOp {
   bool backward_only = false;
   bool in_layer = false;  // a transformer layer's (full recompute re-runs these, not embedding / head)
   bool frozen = false;    // GEMM of a frozen weight: backward computes the input gradient only (no wgrad)
+  // Its backward runs in the forward (the fused linear cross-entropy computes the logits' gradient,
+  // and from it the head's input and weight gradients, chunk by chunk in the forward): priced and
+  // counted in the forward, nothing in the backward.
+  bool grads_in_forward = false;
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }
@@ -98,6 +102,11 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
 // Forward ops of the embedding (first stage) and of the LM head + loss (last stage).
 std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape);
 std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shape);
+// Tokens per chunk of the fused linear cross-entropy (ModelSpec::fused_cross_entropy): the fewest
+// equal chunks of the micro-batch's tokens whose fp32 [chunk x vocab_local] probabilities fit in
+// 1 GiB (the engine's working set: 16-bit logits, fp32 probabilities, 16-bit gradient).
+int64_t fused_cross_entropy_chunk_tokens(int64_t tokens, int64_t vocab_local);
+
 
 struct OpsCost {
   double flops = 0, gemm_flops = 0, memory_bytes = 0;

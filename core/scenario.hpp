@@ -45,6 +45,12 @@ struct ModelSpec {
   // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
   // written to HBM and kept: Korthikanti's 5as/h activation term).
   bool flash_attention = true;
+  // Loss: PyTorch's cross-entropy on the whole micro-batch's fp32 logits (`unfused`: Megatron's and
+  // PyTorch's default), or the LM head's GEMM and the cross-entropy fused over token chunks
+  // (`fused_linear`, as Liger-Kernel's FusedLinearCrossEntropy): the logits' and the head's
+  // gradients are computed in the forward, chunk by chunk, and no [tokens x V] fp32 tensor is kept
+  // (core/model.hpp fused_cross_entropy_chunk_tokens; backends/torch/fused_cross_entropy.*).
+  bool fused_cross_entropy = false;
   // Dropout probability of the hidden, attention and embedding dropouts (Megatron applies one
   // value to all). 0 = none (modern LLM pre-training, and dssim's torch engine); > 0 keeps
   // Korthikanti's 1-byte masks and runs the dropout kernels.

@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
     // conventions (e = the dtype's element size), lookups that answer on every row and never
     // through add's rows.
     const std::vector<std::string> backward_ops = {"layer_norm_backward", "gelu_backward", "bias_grad",
-                                                   "cross_entropy", "cross_entropy_backward", "embedding_backward"};
+                                                   "cross_entropy", "cross_entropy_backward", "fused_cross_entropy",
+                                                   "embedding_backward"};
     std::map<std::string, std::multiset<double>> units;  // op -> bytes / (per-element factor), per dtype
     for (const auto& e : p.elementwise) {
       if (std::find(backward_ops.begin(), backward_ops.end(), e.op) == backward_ops.end()) continue;
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
                          : e.op == "bias_grad"              ? b
                          : e.op == "cross_entropy"          ? b + 16
                          : e.op == "cross_entropy_backward" ? 24 + b
+                         : e.op == "fused_cross_entropy"    ? 8 + 2 * b
                                                             : 2 * b;  // embedding_backward: 2 e (T + V) h
       const double n = e.bytes / per;
       require(n == std::floor(n) && n >= 256, "backward kernel rows: bytes follow the op's convention (whole elements)");

@@ -377,6 +377,24 @@ TEST_CASE("one rank: no ZeRO buffers, ZeRO-3 in place; the loss's fp32 transient
   }
 }
 
+TEST_CASE("fused linear cross-entropy: one chunk's logits and the head's gradients instead of 3 x 4 b s V", "[memory]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  m.dropout = 0;
+  m.fused_cross_entropy = true;
+  Scenario one = scenario(m, 1, 1, 1, 1);
+  one.training.micro_batch = 8;
+  const double T = 8 * 2048.0, V = 51200, h = 2048;
+  const double chunk = 4096;  // 16384 tokens x 51200 x 4 B = 3.1 GiB of fp32 -> 4 chunks
+  // fp16: the chunk's 16-bit logits, fp32 probabilities and 16-bit gradient, and the head input's
+  // and weight's 16-bit gradients kept from the forward.
+  CHECK(peak_memory(one).temporaries == Approx((4 + 2 * 2) * chunk * V + 2 * (T * h + V * h)));
+  m.fused_cross_entropy = false;
+  Scenario plain = scenario(m, 1, 1, 1, 1);
+  plain.training.micro_batch = 8;
+  CHECK(peak_memory(plain).temporaries == Approx(12.0 * T * V));
+  CHECK(peak_memory(one).total() < peak_memory(plain).total() - 8.0 * T * V);
+}
+
 TEST_CASE("ZeRO++ hpZ: each rank also keeps a 1/hpz secondary shard of the 16-bit parameters", "[memory][zeropp]") {
   Scenario sc = scenario(gpt(36, 4096, 32), 64, 1, 1, 3);
   const MemoryBreakdown base = peak_memory(sc);

@@ -228,6 +228,37 @@ TEST_CASE("embedding and head op lists", "[model]") {
   CHECK(find_op(head, "softmax_cross_entropy").memory_bytes >= b * s * V / t * 4);
 }
 
+TEST_CASE("fused linear cross-entropy: the head's gradients priced in the forward, none in the backward", "[model]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  LayerShape shape;
+  shape.micro_batch = 8;
+  const double T = 8 * 2048.0, h = 2048, V = 51200;
+  const auto plain = head_forward_ops(m, shape);
+  m.fused_cross_entropy = true;
+  const auto fused = head_forward_ops(m, shape);
+  CHECK_FALSE(has_op(fused, "softmax_cross_entropy"));
+  const LayerOp& logits = find_op(fused, "logits");
+  CHECK(logits.grads_in_forward);
+  // Forward: the logits GEMM and its dgrad and wgrad (3 x 2 T h V), the same GEMM FLOPs as the
+  // unfused forward plus backward; backward: no GEMM at all, only the scale of the two gradients.
+  const OpsCost f = sum_cost(fused), b = backward_cost(fused);
+  CHECK(f.gemm_flops == Approx(3 * 2 * T * h * V));
+  CHECK(b.gemm_flops == 0);
+  CHECK(f.gemm_flops + b.gemm_flops == Approx(sum_cost(plain).gemm_flops + backward_cost(plain).gemm_flops));
+  CHECK(find_op(fused, "fused_cross_entropy").memory_bytes == Approx((8 + 2 * 2) * T * V));  // bf16 logits
+  CHECK(find_op(fused, "fused_cross_entropy_scale").memory_bytes == Approx(2 * 2 * (T * h + V * h)));
+  CHECK(b.memory_bytes < backward_cost(plain).memory_bytes);
+}
+
+TEST_CASE("fused linear cross-entropy chunks: the fewest equal chunks whose fp32 probabilities fit in 1 GiB", "[model]") {
+  CHECK(fused_cross_entropy_chunk_tokens(16384, 51200) == 4096);     // 3.1 GiB of fp32 -> 4 chunks
+  CHECK(fused_cross_entropy_chunk_tokens(4096, 51200) == 4096);      // 0.78 GiB: one chunk
+  CHECK(fused_cross_entropy_chunk_tokens(16385, 51200) == 4097);     // 4 chunks, the last one shorter
+  CHECK(fused_cross_entropy_chunk_tokens(1000, 1000) == 1000);       // 4 MB: one chunk
+  CHECK(fused_cross_entropy_chunk_tokens(5, 1LL << 30) == 1);        // a row over 1 GiB: one token a chunk
+  CHECK(fused_cross_entropy_chunk_tokens(0, 51200) == 1);
+}
+
 TEST_CASE("MoE layer ops: gate plus local experts on routed tokens", "[model]") {
   ModelSpec m = gpt(24, 2048, 16);
   m.experts = 64;
