@@ -1,4 +1,5 @@
 #include "backends/torch/calibrate.hpp"
+#include "backends/torch/fused_cross_entropy.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
 
@@ -562,6 +563,18 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
           record("cross_entropy", (e + 16) * double(t) * v, s.forward);
           record("cross_entropy_backward", (24 + e) * double(t) * v, s.backward);
           clamped += s.clamped;
+        }
+    });
+    family("fused_cross_entropy", [&] {
+      // The fused linear cross-entropy's elementwise core on one chunk (fused_cross_entropy.hpp
+      // cross_entropy_chunk: softmax into fp32, the one-hot subtracted, scaled and cast back).
+      for (int64_t t : g.ce_tokens)
+        for (int64_t v : g.ce_vocab) {
+          const int64_t c = fused_cross_entropy_chunk_tokens(t, v);
+          at::Tensor logits = at::randn({c, v}, opts);
+          at::Tensor targets = at::empty({c}, longs).random_(0, v);
+          record("fused_cross_entropy", (8 + 2 * e) * double(c) * v,
+                 timer.measure([&] { (void)cross_entropy_chunk(logits, targets, 1.0 / double(t)); }, budget));
         }
     });
     family("embedding_backward", [&] {

@@ -1,7 +1,10 @@
 #include "backends/torch/gpt.hpp"
+
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
+
+#include "backends/torch/fused_cross_entropy.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 namespace dssim::tb {
@@ -49,6 +52,15 @@ GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence
   c.tp = tp;
   c.tp_rank = tp_rank;
   c.sequence_parallel = sequence_parallel && tp > 1;
+  c.fused_cross_entropy = m.fused_cross_entropy;
+  if (c.fused_cross_entropy && tp > 1)
+    throw std::invalid_argument("torch backend: model.cross_entropy = fused_linear with parallel.tp = " + std::to_string(tp) +
+                                " is not implemented (the vocabulary-parallel cross-entropy is not fused); set "
+                                "model.cross_entropy: unfused or parallel.tp: 1");
+  if (c.fused_cross_entropy && c.ft.lora && c.ft.head)
+    throw std::invalid_argument("torch backend: model.cross_entropy = fused_linear with a LoRA adapter on the LM head "
+                                "(finetune.targets: lm_head) is not implemented; set model.cross_entropy: unfused or "
+                                "drop lm_head from finetune.targets");
   auto need = [&](const char* key, int64_t value, const char* what) {
     if (value % tp != 0)
       throw std::invalid_argument(std::string(key) + " = " + std::to_string(value) + " is not divisible by parallel.tp = " +
@@ -310,6 +322,8 @@ at::Tensor head_loss(const GptConfig& c, TensorParallel& tp, const std::vector<a
   auto f = compute_view(final_norm);
   auto e = compute_view({wte});
   auto y = layer_norm(x, c.hidden, f[0], f[1]);
+  if (c.fused_cross_entropy && !tp.active())
+    return fused_linear_cross_entropy(y.reshape({-1, c.hidden}), e[0], targets.reshape({-1}));
   if (!tp.active()) {
     auto logits = lora_add(c, f, 2, LoraTarget::lm_head, y, at::matmul(y, e[0].t()));
     return at::cross_entropy_loss(logits.view({-1, c.vocab}).to(at::kFloat), targets.reshape({-1}));

@@ -32,6 +32,7 @@ struct GptConfig {
   int tp = 1, tp_rank = 0;         // tensor-parallel size and this rank's index in its group
   bool sequence_parallel = false;  // activations outside the TP regions are sequence shards
   int experts = 0, moe_every = 1;  // MoE: every moe_every-th layer (core/model.cpp is_moe_layer)
+  bool fused_cross_entropy = false;  // model.cross_entropy: fused_linear (fused_cross_entropy.hpp)
   FinetuneConfig ft;               // what trains; LoRA adapters (backends/torch/lora.hpp)
   // Throws std::invalid_argument naming the key when the model cannot be split tp ways.
   static GptConfig from(const ModelSpec& m, int tp = 1, int tp_rank = 0, bool sequence_parallel = false,

@@ -242,6 +242,27 @@ TEST_CASE("activation checkpointing recomputes and matches the plain run", "[rec
   CHECK(measured(b).at("seconds_per_iteration_by_instruction").contains("recompute"));
 }
 
+TEST_CASE("model.cross_entropy fused_linear trains as the unfused loss does (fp32, ZeRO-0 and 3)", "[fused_ce][gloo]") {
+  const std::string base = "--json --steps 8 --nproc 2 --set precision.dtype=fp32" + std::string(kBuckets);
+  for (int st : {0, 3}) {
+    INFO("stage " << st);
+    const std::string z = " --set zero.stage=" + std::to_string(st);
+    const fs::path da = scratch() / ("ce_unfused_" + std::to_string(st) + ".bin");
+    const fs::path db = scratch() / ("ce_fused_" + std::to_string(st) + ".bin");
+    Result a = run(base + z + " --dump-params " + da.string());
+    Result b = run(base + z + " --set model.cross_entropy=fused_linear --dump-params " + db.string());
+    INFO(a.err << b.err);
+    REQUIRE(a.code == 0);
+    REQUIRE(b.code == 0);
+    require_bytes_match(b);
+    CHECK(max_rel_diff(losses(a), losses(b)) <= 1e-6);
+    CHECK(norm_rel_diff(read_floats(da), read_floats(db)) <= 1e-6);
+  }
+  Result tp = run("--json --steps 1 --nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set model.cross_entropy=fused_linear");
+  CHECK(tp.code == 2);
+  CHECK(tp.err.find("model.cross_entropy") != std::string::npos);
+}
+
 TEST_CASE("gradient clipping across shards matches stage 0", "[clipping][gloo]") {
   const std::string base = "--json --steps 10 --nproc 2 --set training.gradient_clipping=0.05" + std::string(kBuckets);
   Result a = run(base + " --set zero.stage=0");
