@@ -91,10 +91,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=51200)
     ap.add_argument("--select", action="store_true", help="q, k, v = qkv[i] instead of gpt.cpp's qkv.unbind(0)")
     ap.add_argument("--block-only", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the block and the head under torch.compile (what Inductor fuses)")
     a = ap.parse_args()
     global UNBIND
     UNBIND = not a.select
     dev, dt = "cuda", torch.bfloat16
+    blk = torch.compile(block) if a.compile else block
     h, f, B, S = a.hidden, 4 * a.hidden, a.tokens // a.seq, a.seq
     ps = block_params(h, f, dt, dev)
     x = (torch.randn(B, S, h, dtype=dt, device=dev)).requires_grad_(True)
@@ -102,10 +104,10 @@ def main():
 
     def fwd():
         with torch.no_grad():
-            block(ps, x, a.heads)
+            blk(ps, x, a.heads)
 
     def fwd_bwd():
-        out = block(ps, x, a.heads)
+        out = blk(ps, x, a.heads)
         torch.autograd.backward([out], [g])
         x.grad = None
 
@@ -116,14 +118,18 @@ def main():
     tgt = torch.randint(0, a.vocab, (B * S,), device=dev)
     xh = torch.randn(B, S, h, dtype=dt, device=dev).requires_grad_(True)
 
+    def head_loss(xh, lnw, lnb, wte, tgt):
+        y = F.layer_norm(xh, (h,), lnw, lnb, 1e-5)
+        return F.cross_entropy((y @ wte.t()).view(-1, a.vocab).float(), tgt)
+
+    hl = torch.compile(head_loss) if a.compile else head_loss
+
     def head_fwd():
         with torch.no_grad():
-            y = F.layer_norm(xh, (h,), lnw, lnb, 1e-5)
-            F.cross_entropy((y @ wte.t()).view(-1, a.vocab).float(), tgt)
+            hl(xh, lnw, lnb, wte, tgt)
 
     def head_fwd_bwd():
-        y = F.layer_norm(xh, (h,), lnw, lnb, 1e-5)
-        F.cross_entropy((y @ wte.t()).view(-1, a.vocab).float(), tgt).backward()
+        hl(xh, lnw, lnb, wte, tgt).backward()
         xh.grad = None
 
     rows = []
@@ -146,7 +152,11 @@ def main():
         fw = profile(f1)
         both = profile(f2)
         cats = sorted(set(fw) | set(both), key=lambda c: -both.get(c, 0))
-        print(f"\n{label}: h {h}, tokens {a.tokens}, seq {S} (ms per call)")
+        torch.cuda.reset_peak_memory_stats()
+        f2()
+        torch.cuda.synchronize()
+        print(f"\n{label}{' (torch.compile)' if a.compile else ''}: peak memory of forward + backward {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        print(f"{label}: h {h}, tokens {a.tokens}, seq {S} (ms per call)")
         print(f"  {'kernel group':34s} {'forward':>9s} {'backward':>9s}")
         tf = tb = 0.0
         for c in cats:

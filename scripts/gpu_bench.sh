@@ -5,6 +5,7 @@
 # on the same GPU, and prints a table last: tokens/s and MFU of both.
 #
 #   scripts/gpu_bench.sh [--steps N] [--configs "8x4 16x2"]   (micro-batch x accumulation)
+#                        [--losses "unfused fused_linear"]   (model.cross_entropy of each dssim run)
 #   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
 #                                          # nlohmann-json3-dev: packs them (and a Boost stub) into
 #                                          # DIR for a GPU machine that lacks them; put DIR at .deps
@@ -49,10 +50,11 @@ EOF
   exit 0
 fi
 
-STEPS=10 CONFIGS="8x4"
+STEPS=10 CONFIGS="8x4" LOSSES="unfused fused_linear"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
+    --losses) LOSSES=$2; shift 2 ;;     # model.cross_entropy of each dssim run
     --configs) CONFIGS=$2; shift 2 ;;   # "MBxGA ...": micro-batch x accumulation, first is the headline
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -68,7 +70,10 @@ for extra in "--set zero.stage=0 --set precision.dtype=fp32" \
              "--set zero.stage=3 --set precision.dtype=bf16" \
              "--set zero.stage=2 --set precision.dtype=fp16 --set precision.loss_scale.initial_scale_power=8" \
              "--set zero.stage=2 --set precision.dtype=bf16 --set zero.offload_optimizer=true" \
-             "--set zero.stage=3 --set precision.dtype=bf16 --set zero.offload_optimizer=true --set zero.offload_param=true"; do
+             "--set zero.stage=3 --set precision.dtype=bf16 --set zero.offload_optimizer=true --set zero.offload_param=true" \
+             "--set zero.stage=1 --set precision.dtype=bf16 --set model.cross_entropy=fused_linear" \
+             "--set zero.stage=2 --set precision.dtype=fp16 --set precision.loss_scale.initial_scale_power=8 --set model.cross_entropy=fused_linear" \
+             "--set zero.stage=3 --set precision.dtype=fp32 --set model.cross_entropy=fused_linear"; do
   # shellcheck disable=SC2086
   if "$BUILD/dssim_torch_run" "$TINY" --backend cuda --nproc 1 --steps 6 --quiet --json $extra > "$OUT/tiny.json" 2> "$OUT/tiny.err"; then
     python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("tiny cuda ok:", sys.argv[2], "losses", [round(x, 4) for x in d["losses"]])' "$OUT/tiny.json" "$extra"
@@ -80,11 +85,13 @@ done
 for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
-cat > "$BUILD/gpt13b_h200_zero1_$TAG.yaml" <<EOF
+for LOSS in $LOSSES; do
+cat > "$BUILD/gpt13b_h200_zero1_${TAG}_$LOSS.yaml" <<EOF
 # GPT 1.3B on one H200, bf16, ZeRO-1 (scripts/gpu_bench.sh).
 name: gpt13b_h200_zero1
 model:
   preset: gpt-1.3b
+  cross_entropy: $LOSS
 training:
   global_batch: $((MB * GA))
   micro_batch: $MB
@@ -100,10 +107,10 @@ cluster:
   gpus_per_node: 1
 EOF
 
-echo "== dssim run (torch backend, C++)"
-"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1_$TAG.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
-  --json > "$OUT/dssim_$TAG.json" 2> >(tee "$OUT/dssim_$TAG.stderr" >&2) || { echo "dssim run failed"; exit 1; }
-python3 - "$OUT/dssim_$TAG.json" <<'EOF'
+echo "== dssim run (torch backend, C++), model.cross_entropy: $LOSS"
+"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+  --json > "$OUT/dssim_${TAG}_$LOSS.json" 2> >(tee "$OUT/dssim_${TAG}_$LOSS.stderr" >&2) || { echo "dssim run failed"; exit 1; }
+python3 - "$OUT/dssim_${TAG}_$LOSS.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 m = d["extras"]["measured"]
@@ -112,25 +119,43 @@ print("memory (GiB):", {k: round(v / 2**30, 2) for k, v in m["memory_bytes"].ite
 print("bytes per collective:", m["bytes_per_iteration"], "Program:", m["expected_bytes_per_iteration"])
 print("throughput:", d["throughput"])
 EOF
+done
 
-echo "== plain PyTorch (Python)"
-PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 \
-  | tee "$OUT/plain_$TAG.txt"
+for MODE in eager compile; do
+  echo "== plain PyTorch ($MODE)"
+  FLAG=""; [[ $MODE == compile ]] && FLAG="--compile"
+  PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 $FLAG \
+    | tee "$OUT/plain_${MODE}_$TAG.txt" || echo "plain PyTorch ($MODE) failed"
+done
 
-python3 - "$OUT/dssim_$TAG.json" "$OUT/plain_$TAG.txt" >> "$OUT/summary.txt" <<'EOF'
+python3 - "$OUT/plain_eager_$TAG.txt" "$OUT/plain_compile_$TAG.txt" "$OUT"/dssim_"${TAG}"_*.json >> "$OUT/summary.txt" <<'EOF'
 import json, sys
-d = json.load(open(sys.argv[1]))
-t = d["throughput"]
-plain = json.loads([l for l in open(sys.argv[2]) if l.startswith("PLAIN_JSON ")][-1][len("PLAIN_JSON "):])
-c = d["config"]
-print("%-7s %-34s %10.0f %8.3f %6.1f%%" % ("%dx%d" % (c["micro_batch"], c["grad_accum"]), "dssim run --backend cuda (ZeRO-1)",
-      t["tokens_per_second"], t["iteration_seconds"], 100 * t["mfu"]))
-print("%-7s %-34s %10.0f %8.3f %6.1f%%   dssim/plain %.3f" % ("", "plain PyTorch (autocast, fused)", plain["tokens_per_second"],
-      plain["iteration_seconds"], 100 * plain["mfu"], t["tokens_per_second"] / plain["tokens_per_second"]))
+plain = {}
+for path, label in ((sys.argv[1], "plain PyTorch eager (autocast)"), (sys.argv[2], "plain PyTorch torch.compile")):
+    try:
+        plain[label] = json.loads([l for l in open(path) if l.startswith("PLAIN_JSON ")][-1][len("PLAIN_JSON "):])
+    except (OSError, IndexError):
+        plain[label] = None
+compiled = plain["plain PyTorch torch.compile"]
+first = True
+for path in sys.argv[3:]:
+    d = json.load(open(path))
+    t, c = d["throughput"], d["config"]
+    loss = "fused_linear" if path.endswith("_fused_linear.json") else "unfused"
+    peak = d["extras"]["measured"]["memory_bytes"]["peak"] / 2**30
+    ratio = "   / compile %.3f" % (t["tokens_per_second"] / compiled["tokens_per_second"]) if compiled else ""
+    print("%-7s %-34s %10.0f %8.3f %6.1f%% %8.2f%s" % ("%dx%d" % (c["micro_batch"], c["grad_accum"]) if first else "",
+          "dssim ZeRO-1, loss " + loss, t["tokens_per_second"], t["iteration_seconds"], 100 * t["mfu"], peak, ratio))
+    first = False
+for label, p in plain.items():
+    if p is None:
+        print("%-7s %-34s failed" % ("", label)); continue
+    print("%-7s %-34s %10.0f %8.3f %6.1f%% %8.2f" % ("", label, p["tokens_per_second"], p["iteration_seconds"],
+          100 * p["mfu"], p["peak_memory_bytes"] / 2**30))
 EOF
 done
 
 echo
 echo "GPT 1.3B (24 x 2048, 16 heads, s 2048, V 51200), bf16, 1 GPU ($(sed -n 2p "$OUT/gpu.txt" | cut -d, -f1)); MFU against 989.5 TFLOP/s"
-printf "%-7s %-34s %10s %8s %7s\n" "mb x ga" "" "tokens/s" "iter s" "MFU"
+printf "%-7s %-34s %10s %8s %7s %8s\n" "mb x ga" "" "tokens/s" "iter s" "MFU" "peak GiB"
 cat "$OUT/summary.txt"

@@ -2,7 +2,8 @@
 """The same GPT as dssim's torch backend, trained by plain PyTorch: the baseline that
 scripts/gpu_bench.sh runs next to `dssim run`. Pre-LN blocks, causal SDPA (flash on GPUs), GELU MLP,
 tied LM head; fp32 parameters with bf16 autocast and fused AdamW (the standard PyTorch recipe),
-no torch.compile. Prints one JSON line with tokens/s and MFU (Megatron's model-FLOP formula)."""
+eager, or with `--compile` the same model under torch.compile (default mode, Inductor). Prints one
+JSON line with tokens/s, MFU (Megatron's model-FLOP formula) and peak memory."""
 import argparse, json, math, statistics, time
 import torch
 import torch.nn as nn
@@ -69,10 +70,12 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.5)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (compiled in the warm-up steps)")
     a = ap.parse_args()
     torch.manual_seed(1234)
     dev = "cuda"
     model = GPT(a.layers, a.hidden, a.heads, a.vocab, a.seq).to(dev)
+    step_model = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
     times, losses = [], []
     for step in range(a.warmup + a.steps):
@@ -82,7 +85,7 @@ def main():
         for _ in range(a.grad_accum):
             idx = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=dev)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(idx[:, :-1], idx[:, 1:]) / a.grad_accum
+                loss = step_model(idx[:, :-1], idx[:, 1:]) / a.grad_accum
             loss.backward()
             total += loss.detach()
         opt.step()
@@ -92,6 +95,8 @@ def main():
         losses.append(float(total))
         if step >= a.warmup:
             times.append(dt)
+        if step == a.warmup - 1:
+            torch.cuda.reset_peak_memory_stats()  # compilation's own workspace is not the step's
         print(f"plain step {step + 1}/{a.warmup + a.steps}  loss {losses[-1]:.4f}  {dt:.3f} s", flush=True)
     t = statistics.median(times)
     batch = a.micro_batch * a.grad_accum
@@ -99,7 +104,7 @@ def main():
     out = {"iteration_seconds": t, "tokens_per_second": batch * a.seq / t,
            "model_tflops_per_gpu": flops / t / 1e12, "mfu": flops / t / (a.peak_tflops * 1e12),
            "peak_memory_bytes": torch.cuda.max_memory_allocated(), "losses": losses,
-           "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+           "mode": "compile" if a.compile else "eager", "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     print("PLAIN_JSON " + json.dumps(out), flush=True)
 
 
