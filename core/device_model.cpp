@@ -94,6 +94,10 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
       switch (inst.op) {
         case Op::Backward:
           if (op.grads_in_forward) break;  // run in the forward (fused linear cross-entropy)
+          if (op.host_seconds > 0) {       // host work in series with the kernels (no kernel)
+            t += op.host_seconds;
+            break;
+          }
           if (op.gemm && op.attention_core && flash_attention_) {
             t += flash_backward_seconds(op);
           } else if (op.gemm) {

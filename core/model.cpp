@@ -486,6 +486,7 @@ OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
   OpsCost c;
   for (const auto& op : forward_ops) {
     if (op.grads_in_forward) continue;  // computed in the forward (fused linear cross-entropy)
+    if (op.host_seconds > 0) continue;  // host work, no kernel (DeviceModel prices its seconds)
     const double f = op.backward_only || op.frozen ? 1 : 2;  // a frozen weight: dgrad only
     c.flops += f * op.flops;
     if (op.gemm) c.gemm_flops += f * op.flops;

@@ -69,6 +69,10 @@ struct LayerOp {
   // and from it the head's input and weight gradients, chunk by chunk in the forward): priced and
   // counted in the forward, nothing in the backward.
   bool grads_in_forward = false;
+  // Host (CPU) seconds on the thread that launches the kernels, priced in series with them where
+  // the op runs (DeepSpeed ZeRO-3's Python gradient-reduce path: core/zero3_placement.hpp
+  // zero3_reduce_host_seconds). No FLOPs, no HBM bytes, no kernel.
+  double host_seconds = 0;
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }

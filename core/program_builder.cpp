@@ -375,6 +375,28 @@ class Builder {
       fold.flops = params;
       fold.backward_only = true;
       ops.push_back(fold);
+      // DeepSpeed's Python reduce path: one slice per tensor and data-parallel rank (experts: per
+      // expert-data-parallel rank) for every reduced gradient of the segment, on the launching
+      // thread during the backward (core/zero3_placement.hpp zero3_reduce_host_seconds).
+      int64_t dense = 0, expert = 0;
+      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
+        for (const Tensor& x : layer_tensors(l))
+          if (x.trainable) ++(x.expert ? expert : dense);
+      const bool emb = base_trains(m_, ft, BasePart::embedding);
+      if (seg.embedding && emb) dense += m_.rotary ? 1 : 2;  // wte (+ wpe)
+      if (seg.head) {
+        if (base_trains(m_, ft, BasePart::norm)) dense += m_.rmsnorm ? 1 : 2;
+        if (!m_.tied_embeddings && base_trains(m_, ft, BasePart::head)) dense += 1;
+      }
+      const double host = zero3_reduce_host_seconds(dense, sc_.parallel.dp, sc_.zero) +
+                          zero3_reduce_host_seconds(expert, grid_.expert_dp(), sc_.zero);
+      if (host > 0) {
+        LayerOp reduce_host;
+        reduce_host.name = "zero3_reduce_host";
+        reduce_host.host_seconds = host;
+        reduce_host.backward_only = true;
+        ops.push_back(reduce_host);
+      }
     }
     const int id = int(prog.op_lists.size());
     cache_.fwd.push_back(sum_cost(ops));

@@ -35,6 +35,11 @@ std::vector<int> zero3_reduce_calls(const std::vector<std::vector<int64_t>>& gro
   return calls;
 }
 
+double zero3_reduce_host_seconds(int64_t tensors, int ranks, const ZeroSpec& z) {
+  if (z.engine != ZeroEngine::deepspeed || ranks <= 1 || tensors <= 0) return 0;
+  return double(tensors) * double(ranks) * kDeepSpeedReduceHostSecondsPerSlice;
+}
+
 bool zero3_prefetch(const ZeroSpec& z, int ahead, int64_t in_flight, int64_t next_elems) {
   if (ahead <= 0) return true;  // the running segment's own gather
   if (z.engine == ZeroEngine::fsdp) return ahead == 1;
