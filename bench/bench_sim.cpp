@@ -1,7 +1,11 @@
 // Simulator speed: one iteration of scenarios/gpt175b.yaml (TP 8, PP 8, DP 16, 96 micro-batches,
-// 1024 A100-80GB) on 1024 GPUs, then 4096 and 8192 (dp resized). Prints wall seconds, peak RSS and
-// simulated events per second. Not a timed test: the figures go in docs/simulator.md.
+// 1024 A100-80GB) on 1024 GPUs, then 4096 and 8192 (dp resized). Prints wall seconds, CPU seconds
+// (this process and the simulation child: the machine is shared, wall time is noisy), peak RSS,
+// simulated events per CPU second and a hash of the whole simulated timeline (every span's start
+// and end, bit for bit), so that a change to the engine can be checked to give the same results.
+// Not a timed test: the figures go in docs/simulator.md.
 //   bench_sim [gpus...] [--step] [--no-symmetry]
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -13,6 +17,34 @@
 
 using namespace dssim;
 
+namespace {
+
+double cpu_seconds(int who) {
+  struct rusage ru{};
+  getrusage(who, &ru);
+  return double(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + 1e-6 * double(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
+// FNV-1a over the simulated ranks, their span counts and every span's bits.
+uint64_t timeline_hash(const SimRun& run) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t k = 0; k < n; ++k) { h ^= b[k]; h *= 1099511628211ull; }
+  };
+  mix(&run.timeline.makespan, sizeof(double));
+  for (size_t k = 0; k < run.timeline.spans.size(); ++k) {
+    const int rank = k < run.ranks.size() ? run.ranks[k] : -1;
+    const uint64_t n = run.timeline.spans[k].size();
+    mix(&rank, sizeof rank);
+    mix(&n, sizeof n);
+    mix(run.timeline.spans[k].data(), n * sizeof(Span));
+  }
+  return h;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   std::vector<int> sizes;
   SimOptions opts;
@@ -22,22 +54,25 @@ int main(int argc, char** argv) {
     else sizes.push_back(std::atoi(argv[i]));
   }
   if (sizes.empty()) sizes = {1024, 4096, 8192};
-  std::printf("%6s %9s %9s %9s %10s %10s %12s %12s %10s %9s\n", "gpus", "sim_ranks", "iter_s", "analytic",
-              "wall_s", "engine_s", "flows", "instr", "events/s", "rss_MB");
+  std::printf("%6s %9s %12s %9s %8s %8s %8s %10s %11s %10s %9s %s\n", "gpus", "sim_ranks", "iter_s", "analytic",
+              "wall_s", "cpu_s", "engine_s", "flows", "instr", "events/s", "rss_MB", "timeline_hash");
   for (int gpus : sizes) {
     LoadOptions lo;
     lo.gpus = gpus;
     const Scenario sc = load_scenario("gpt175b", lo);
+    const double cpu0 = cpu_seconds(RUSAGE_SELF) + cpu_seconds(RUSAGE_CHILDREN);
     const SimRun run = simulate_run(sc, opts);
+    const double cpu = cpu_seconds(RUSAGE_SELF) + cpu_seconds(RUSAGE_CHILDREN) - cpu0;
     const double analytic = analytic_report(sc, false).iteration_seconds;
     struct rusage self{};
     getrusage(RUSAGE_SELF, &self);
     const long rss_kb = std::max<long>(self.ru_maxrss, run.peak_rss_kb);
     const double events = double(run.flows + run.instructions);
-    std::printf("%6d %9zu %9.3f %9.3f %10.2f %10.2f %12llu %12llu %10.0f %9.0f\n", gpus, run.ranks.size(),
-                run.report.iteration_seconds, analytic, run.wall_seconds, run.engine_seconds,
-                (unsigned long long)run.flows, (unsigned long long)run.instructions, events / run.engine_seconds,
-                rss_kb / 1024.0);
+    // events/s per CPU second of the whole call (Program build + simulation + report).
+    std::printf("%6d %9zu %12.9f %9.3f %8.2f %8.2f %8.2f %10llu %11llu %10.0f %9.0f %016llx\n", gpus,
+                run.ranks.size(), run.report.iteration_seconds, analytic, run.wall_seconds, cpu,
+                run.engine_seconds, (unsigned long long)run.flows, (unsigned long long)run.instructions,
+                events / cpu, rss_kb / 1024.0, (unsigned long long)timeline_hash(run));
     std::fflush(stdout);
   }
   return 0;
