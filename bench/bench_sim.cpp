@@ -4,7 +4,9 @@
 // simulated events per CPU second and a hash of the whole simulated timeline (every span's start
 // and end, bit for bit), so that a change to the engine can be checked to give the same results.
 // Not a timed test: the figures go in docs/simulator.md.
-//   bench_sim [gpus...] [--step] [--no-symmetry]
+// Beyond 32,768 GPUs (dp > 512) the 1536 sequences do not divide over the pipelines: the global
+// batch becomes 4 micro-batches per pipeline (printed: m), or --micro-batches M for every size.
+//   bench_sim [gpus...] [--step] [--no-symmetry] [--micro-batches M]
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -48,17 +50,24 @@ uint64_t timeline_hash(const SimRun& run) {
 int main(int argc, char** argv) {
   std::vector<int> sizes;
   SimOptions opts;
+  int micro_batches = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--step")) opts.detail = SimOptions::CollectiveDetail::Step;
     else if (!std::strcmp(argv[i], "--no-symmetry")) opts.symmetry = false;
+    else if (!std::strcmp(argv[i], "--micro-batches") && i + 1 < argc) micro_batches = std::atoi(argv[++i]);
     else sizes.push_back(std::atoi(argv[i]));
   }
   if (sizes.empty()) sizes = {1024, 4096, 8192};
-  std::printf("%6s %9s %12s %9s %8s %8s %8s %10s %11s %10s %9s %s\n", "gpus", "sim_ranks", "iter_s", "analytic",
-              "wall_s", "cpu_s", "engine_s", "flows", "instr", "events/s", "rss_MB", "timeline_hash");
+  std::printf("%6s %4s %9s %12s %9s %8s %8s %8s %7s %10s %11s %10s %9s %s\n", "gpus", "m", "sim_ranks", "iter_s",
+              "analytic", "wall_s", "cpu_s", "engine_s", "plat_s", "flows", "instr", "events/s", "rss_MB",
+              "timeline_hash");
   for (int gpus : sizes) {
     LoadOptions lo;
     lo.gpus = gpus;
+    const int dp = gpus / 64;  // gpt175b: tp 8, pp 8
+    int m = micro_batches;
+    if (m == 0 && dp > 0 && (dp > 1536 || 1536 % dp != 0)) m = 4;
+    if (m > 0) lo.overrides.push_back("training.global_batch=" + std::to_string(m * dp));
     const Scenario sc = load_scenario("gpt175b", lo);
     const double cpu0 = cpu_seconds(RUSAGE_SELF) + cpu_seconds(RUSAGE_CHILDREN);
     const SimRun run = simulate_run(sc, opts);
@@ -69,9 +78,10 @@ int main(int argc, char** argv) {
     const long rss_kb = std::max<long>(self.ru_maxrss, run.peak_rss_kb);
     const double events = double(run.flows + run.instructions);
     // events/s per CPU second of the whole call (Program build + simulation + report).
-    std::printf("%6d %9zu %12.9f %9.3f %8.2f %8.2f %8.2f %10llu %11llu %10.0f %9.0f %016llx\n", gpus,
-                run.ranks.size(), run.report.iteration_seconds, analytic, run.wall_seconds, cpu,
-                run.engine_seconds, (unsigned long long)run.flows, (unsigned long long)run.instructions,
+    const double plat = run.report.extras["sim"]["run_stats"].value("platform_seconds", 0.0);
+    std::printf("%6d %4d %9zu %12.9f %9.3f %8.2f %8.2f %8.2f %7.2f %10llu %11llu %10.0f %9.0f %016llx\n", gpus,
+                sc.training.grad_accum, run.ranks.size(), run.report.iteration_seconds, analytic, run.wall_seconds,
+                cpu, run.engine_seconds, plat, (unsigned long long)run.flows, (unsigned long long)run.instructions,
                 events / cpu, rss_kb / 1024.0, (unsigned long long)timeline_hash(run));
     std::fflush(stdout);
   }

@@ -335,6 +335,11 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
   std::vector<double> bubbles(run.ranks.size(), 0);
   struct Slack { double end, slack, busy; int rank; };
   std::vector<Slack> slack;
+  // attribute_time reads one rank's spans: one Timeline of empty spans serves every simulated rank
+  // (its spans lent in and out), not a Timeline of nr rows per rank, which was O(ranks^2).
+  Timeline one;
+  one.makespan = ex.makespan;
+  one.spans.resize(nr);
   for (size_t k = 0; k < run.ranks.size(); ++k) {
     const RankProgram& rp = program.ranks[run.templates[k]];
     const auto& sp = run.timeline.spans[k];
@@ -356,11 +361,9 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
       s[0] += d; s[1] += ov;
       if (is_crit) { auto& c = comm_crit[comm_kind(program, in)]; c[0] += d; c[1] += ov; }
     }
-    Timeline one;
-    one.makespan = ex.makespan;
-    one.spans.resize(nr);
-    one.spans[run.templates[k]] = sp;
+    one.spans[run.templates[k]].swap(run.timeline.spans[k]);
     const TimeBreakdown tb = attribute_time(program, one, run.templates[k]);
+    one.spans[run.templates[k]].swap(run.timeline.spans[k]);
     bubbles[k] = tb.bubble;
     slack.push_back({rank_end[k], ex.makespan - rank_end[k], busy_s, run.ranks[k]});
   }
