@@ -5,6 +5,7 @@
 #include <set>
 #include <stdexcept>
 #include <simgrid/s4u.hpp>
+#include "simulator/rail_fabric.hpp"
 
 namespace sg4 = simgrid::s4u;
 
@@ -125,8 +126,18 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
   if (c.nodes > 1 || slots_by_node.size() > 1) {
     const int per_leaf = std::max(1, opts.nodes_per_leaf);
     const bool three = c.fat_tree_levels >= 3;
-    auto* fabric = sg4::create_star_zone("fabric");
-    fabric->set_parent(root);
+    // Two levels: one zone computing the leaf routes (simulator/rail_fabric.hpp, same routes as the
+    // zones per leaf it replaces, whose construction was quadratic in SimGrid 3.32); three: a star
+    // zone per leaf and per pod.
+    std::unique_ptr<RailFabric> rail_fabric;
+    sg4::NetZone* fabric;
+    if (three) {
+      fabric = sg4::create_star_zone("fabric");
+      fabric->set_parent(root);
+    } else {
+      rail_fabric = std::make_unique<RailFabric>("fabric", root);
+      fabric = rail_fabric->zone();
+    }
     // Leaf zones per (leaf group, rail) holding the NICs of used ranks.
     std::map<std::pair<int, int>, std::vector<int>> slots_by_leaf;  // (group, rail) -> slots
     for (size_t i = 0; i < used.size(); ++i)
@@ -148,10 +159,15 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
         parent = it->second;
       }
       const std::string lname = std::to_string(group) + "-" + std::to_string(rail);
-      auto* lz = sg4::create_star_zone("leaf-" + lname);
-      lz->set_parent(parent);
-      auto* gw = lz->create_router("leafsw-" + lname);
-      star_route(lz, gw, {});
+      sg4::NetZone* lz = fabric;
+      simgrid::kernel::routing::NetPoint* gw = nullptr;
+      const int leaf = rail_fabric ? rail_fabric->add_leaf() : -1;
+      if (!rail_fabric) {
+        lz = sg4::create_star_zone("leaf-" + lname);
+        lz->set_parent(parent);
+        gw = lz->create_router("leafsw-" + lname);
+        star_route(lz, gw, {});
+      }
       std::map<int, sg4::Host*> nic_of_node;
       std::pair<int, int> leaf_load{0, 0};
       for (int s : slots) {
@@ -165,19 +181,21 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
           leaf_load.first += load.first;
           leaf_load.second += load.second;
           auto* l = add_link(lz, "nic-" + nname, nic_bw, c.nic_latency / 2, scale_of(load));
-          star_route(lz, h->get_netpoint(), {{l, Dir::UP}});
+          if (rail_fabric) rail_fabric->add_nic(h, l, leaf);
+          else star_route(lz, h->get_netpoint(), {{l, Dir::UP}});
           it = nic_of_node.emplace(node, h).first;
         }
         nic_[s] = it->second;
       }
-      lz->seal();
+      if (!rail_fabric) lz->seal();
       if (total_groups > 1 || rails_ > 1) {
         const int nodes_in_group = std::min(per_leaf, c.nodes - group * per_leaf);
         const double up_bw = std::max(1, nodes_in_group) * nic_bw / std::max(1.0, c.oversubscription);
         auto* up = add_link(parent, "leafup-" + lname, up_bw, c.switch_latency, scale_of(leaf_load));
-        parent->add_route(lz->get_netpoint(), nullptr, gw, nullptr, {{up, Dir::UP}}, true);
+        if (rail_fabric) rail_fabric->set_leaf_uplink(leaf, up);
+        else parent->add_route(lz->get_netpoint(), nullptr, gw, nullptr, {{up, Dir::UP}}, true);
         pod_bw[pod] += up_bw;
-      } else {
+      } else if (!rail_fabric) {
         parent->add_route(lz->get_netpoint(), nullptr, gw, nullptr, {}, true);
       }
       ++leaves_;
