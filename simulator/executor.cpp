@@ -360,6 +360,9 @@ void Simulation::start(int v, uint32_t i, double ready) {
     const int32_t g = lookup(vr.group_map, in.group);
     const uint64_t key = (uint64_t(uint32_t(g)) << 32) | coll_seq_[vr.program_index][i];
     Rendezvous& rv = rendezvous_[key];
+    // One allocation of the final size: a member list grown by doubling up to dp entries made
+    // large requests that triggered glibc's malloc_consolidate (3 % of the CPU at 16k GPUs).
+    if (rv.members.empty()) rv.members.reserve(materialized_[g]);
     rv.arrived++;
     const double local = device_.collective_local_seconds(in) * repeat;
     rv.ready = std::max(rv.ready, ready + local);

@@ -43,6 +43,7 @@ struct RailFabric::Impl : public sgr::NetZoneImpl {
   void get_local_route(const sgr::NetPoint* src, const sgr::NetPoint* dst, sgr::Route* r, double* latency) override {
     const Nic& a = nic(src);
     const Nic& b = nic(dst);
+    r->link_list_.reserve(r->link_list_.size() + 4);
     if (a.leaf == b.leaf || leaves[a.leaf].up == nullptr) {
       // Inside one leaf zone: its star's route, source up then destination down.
       add(r, latency, a.link.up, a.link.latency);
