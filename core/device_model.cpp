@@ -108,6 +108,10 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
           break;
         case Op::Recompute:
           if (op.backward_only) break;
+          if (recompute_ == Recompute::selective_op) {  // the share op-level SAC re-runs
+            if (op.in_layer && op.op_sac_recompute > 0) t += op.op_sac_recompute * kernel_seconds(op);
+            break;
+          }
           if (recompute_ == Recompute::full ? op.in_layer : op.attention_core) t += kernel_seconds(op);
           break;
         default:

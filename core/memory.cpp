@@ -74,6 +74,16 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   const double sbh = s * b * h;
   const double sp_div = sequence_parallel ? t : 1.0;
   if (r == Recompute::full) return 2 * sc * sbh / sp_div;  // only the layer input is kept
+  if (r == Recompute::selective_op) {
+    // torchtitan's op-level SAC (core/scenario.hpp): the block's input (the checkpoint's), the
+    // saved matmul outputs: q (h/t) and v (kv/t), SwiGLU's gate (ffn/t) and down (h: the row-
+    // parallel GEMM's output before its reduction) or GeLU's up (ffn/t); and SDPA's output with its
+    // fp32 row log-sum-exp (flash). An unfused attention core and MoE experts are recomputed.
+    double kept = 2 * sc * sbh / sp_div + 2 * sc * s * b * (h + kv) / t;
+    if (m.flash_attention) kept += 2 * sc * sbh / t + 4.0 * a * s * b / t;
+    if (!(moe_layer && m.is_moe())) kept += m.swiglu ? 2 * sc * s * b * f / t + 2 * sc * sbh : 2 * sc * s * b * f / t;
+    return kept;
+  }
   // Dropout masks (1 byte): after the attention projection and after the MLP. LayerNorm keeps its
   // fp32 mean and 1/std per token (2 LayerNorms x 8 bytes), which Korthikanti leaves out.
   const double masks = m.has_dropout() ? 2 : 0;

@@ -160,6 +160,14 @@ double hardware_flops_per_iteration(const ModelSpec& m, double global_batch, Rec
   double per_sequence = 3 * (layers + head);
   if (r == Recompute::full) per_sequence += layers;
   if (r == Recompute::selective) per_sequence += m.layers * attention_core_flops_per_sequence(m);
+  if (r == Recompute::selective_op) {
+    // The recomputed matmuls of op-level SAC (k, the attention output projection, SwiGLU's up or
+    // GeLU's down; an unfused attention core too), per sequence; dense layers' shapes.
+    const double s = m.seq_len, h = m.hidden, f = ffn_hidden_of(m);
+    double gemm = 2 * s * h * kv_width(m) + 2 * s * h * h + 2 * s * h * f;
+    if (!m.flash_attention) gemm += attention_core_flops_per_sequence(m);
+    per_sequence += m.layers * gemm;
+  }
   return global_batch * per_sequence;
 }
 
@@ -277,6 +285,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   std::vector<LayerOp> ops;
   ops.push_back(norm_op(m, "", "_1", norm_tokens, h, e));
   ops.push_back(gemm_op("qkv", 1, tokens, qkv_width / t, h, e));
+  ops.back().op_sac_recompute = kv / qkv_width;  // op-level SAC: q, v saved, k recomputed
   if (m.rotary) {
     // [L] rotary embedding applied to q and k (h + kv wide per token, TP-split) with the s x
     // head_dim cos / sin tables; backward rotates the gradients back (the same bytes).
@@ -291,6 +300,10 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   if (m.has_dropout())
     ops.push_back(elementwise_op("attention_dropout", score_elements, 1, 2 * e + kMaskBytesPerElement, true));
   ops.push_back(gemm_op("attention_over_v", b * local_heads, s, head_dim, s, e, true));
+  // Op-level SAC saves SDPA's output (flash); an unfused core's batched GEMMs are recomputed.
+  if (m.flash_attention)
+    for (LayerOp& op : ops)
+      if (op.attention_core) op.op_sac_recompute = 0;
   ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
   // Backward-only layout copies around the attention core, read + write. Fused attention as
   // dssim's engine runs it (PyTorch SDPA): the output's gradient made contiguous for the attention
@@ -309,16 +322,19 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     if (m.swiglu) {
       // [L] gate and up projections (two column-parallel GEMMs, as Llama's w1 / w3), silu(gate) * up.
       ops.push_back(gemm_op("mlp_gate", 1, tokens, f / t, h, e));
+      ops.back().op_sac_recompute = 0;  // op-level SAC: the 5th matmul (w1), saved
       ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
       ops.push_back(swiglu_op(tokens * f / t, e));
     } else {
       ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
+      ops.back().op_sac_recompute = 0;  // op-level SAC: the 5th matmul, saved
       LayerOp gelu = elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e);
       gelu.backward_bytes = 3 * e * tokens * f / t;  // read dy and x, write dx
       gelu.backward_kernel = "gelu_backward";
       ops.push_back(gelu);
     }
     ops.push_back(gemm_op("mlp_down", 1, tokens, h, f / t, e));
+    if (m.swiglu) ops.back().op_sac_recompute = 0;  // the 7th matmul (w2), saved; GeLU's 6th is recomputed
   } else {
     // [DS] The gate is replicated in the TP group; DeepSpeed drops the TP-duplicated tokens before
     // the all-to-all, so this GPU's share is T/t tokens, each sent to top_k experts, padded to the
@@ -499,6 +515,17 @@ OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
 // Full recompute re-runs the whole forward; selective re-runs the attention core [K section 5].
 OpsCost recompute_cost(const std::vector<LayerOp>& forward_ops, Recompute r) {
   if (r == Recompute::none) return {};
+  if (r == Recompute::selective_op) {  // the layer's ops that op-level SAC does not save, in part
+    std::vector<LayerOp> again;
+    for (const auto& op : forward_ops)
+      if (op.in_layer && !op.backward_only && op.op_sac_recompute > 0) {
+        LayerOp part = op;
+        part.flops *= op.op_sac_recompute;
+        part.memory_bytes *= op.op_sac_recompute;
+        again.push_back(part);
+      }
+    return sum_cost(again);
+  }
   std::vector<LayerOp> again;  // full: the layers' forward (not the embedding's or the head's)
   for (const auto& op : forward_ops)
     if ((r == Recompute::full ? op.in_layer : op.attention_core) && !op.backward_only) again.push_back(op);

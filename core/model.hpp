@@ -73,6 +73,10 @@ struct LayerOp {
   // the op runs (DeepSpeed ZeRO-3's Python gradient-reduce path: core/zero3_placement.hpp
   // zero3_reduce_host_seconds). No FLOPs, no HBM bytes, no kernel.
   double host_seconds = 0;
+  // Share of the op re-run by op-level selective checkpointing (Recompute::selective_op,
+  // torchtitan's policy): 0 for the saved matmuls and SDPA, kv / (h + 2 kv) for the fused QKV
+  // GEMM (its k part), 1 for everything else in the layer.
+  double op_sac_recompute = 1;
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }

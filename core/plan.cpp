@@ -100,7 +100,11 @@ std::string PlanPoint::label() const {
   o << " | mb " << micro_batch << " | ZeRO-" << zero;
   if (offload == Offload::optimizer) o << " opt-offload";
   if (offload == Offload::optimizer_and_params) o << " opt+param-offload";
-  o << " | " << (recompute == Recompute::none ? "no recompute" : recompute == Recompute::selective ? "selective" : "full recompute");
+  o << " | "
+    << (recompute == Recompute::none           ? "no recompute"
+        : recompute == Recompute::selective    ? "selective"
+        : recompute == Recompute::selective_op ? "op-level SAC"
+                                               : "full recompute");
   if (checkpointing > 0) o << (checkpointing == 1 ? " partitioned" : " partitioned+cpu");
   if (lora_rank > 0) o << " | LoRA r" << lora_rank;
   return o.str();
@@ -711,6 +715,8 @@ std::string megatron_args(const Scenario& sc) {
   if (sc.recompute == Recompute::selective) o << "--recompute-activations\n";
   if (sc.recompute == Recompute::full)
     o << "--recompute-granularity full\n--recompute-method uniform\n--recompute-num-layers 1\n";
+  if (sc.recompute == Recompute::selective_op)
+    o << "# op-level selective checkpointing (torchtitan's selective_ac_option op) has no Megatron flag\n";
   if (p.scatter_gather) o << "# scatter/gather of pipeline activations is Megatron's default with tp > 1\n";
   if (sc.precision.dtype == Dtype::bf16) o << "--bf16\n";
   if (sc.precision.dtype == Dtype::fp16) o << "--fp16\n";

@@ -18,6 +18,7 @@ const char* to_string(Recompute r) {
     case Recompute::none: return "none";
     case Recompute::selective: return "selective";
     case Recompute::full: return "full";
+    case Recompute::selective_op: return "selective_op";
   }
   return "?";
 }

@@ -194,7 +194,14 @@ struct FinetuneSpec {
   }
 };
 
-enum class Recompute { none, selective, full };
+// none: every activation kept. selective: Korthikanti's, the attention core recomputed. full: each
+// layer's forward again from its input. selective_op: PyTorch's op-level selective checkpointing
+// with torchtitan's policy (torchtitan parallelize_llama.py `_custom_policy`, selective_ac_option
+// "op"): in each block, the outputs of SDPA and of every odd-numbered matmul (q, v, mlp gate /
+// GeLU's up, down: 1st, 3rd, 5th, 7th) are saved, the rest of the block (k, the attention output
+// projection, SwiGLU's up, norms, rotary, activations, residuals) is recomputed in backward
+// (core/model.hpp LayerOp::op_sac_recompute, core/memory.cpp).
+enum class Recompute { none, selective, full, selective_op };
 const char* to_string(Recompute);
 
 // DeepSpeed's activation checkpointing options (deepspeed/runtime/activation_checkpointing/

@@ -167,8 +167,11 @@ const std::vector<Field>& fields() {
         s.recompute = b ? Recompute::full : Recompute::none;  // Megatron's --checkpoint-activations
         return;
       }
-      auto r = get_enum(e, {"none", "selective", "full"});
-      s.recompute = r == "full" ? Recompute::full : r == "selective" ? Recompute::selective : Recompute::none;
+      auto r = get_enum(e, {"none", "selective", "full", "selective_op"});
+      s.recompute = r == "full"           ? Recompute::full
+                    : r == "selective"    ? Recompute::selective
+                    : r == "selective_op" ? Recompute::selective_op
+                                          : Recompute::none;
     });
     add("activation_checkpointing.partition_activations",
         [](Scenario& s, const Entry& e) { s.checkpointing.partition_activations = get_bool(e); });

@@ -167,6 +167,9 @@ class Engine {
     // full: every block is recomputed from its input in backward. selective: only the attention
     // core; SDPA's flash / memory-efficient kernels (libtorch >= 2.0) already keep no attention
     // matrix and recompute it in their backward, so there selective adds nothing.
+    if (sc.recompute == Recompute::selective_op)
+      throw std::invalid_argument("torch backend: activation_checkpointing.mode = selective_op (torchtitan's op-level "
+                                  "checkpointing) is not implemented by dssim's engine; set it to none, selective or full");
     checkpoint_activations_ = sc.recompute == Recompute::full;
     recompute_attention_ = sc.recompute == Recompute::selective && !flash_attention_available();
     offload_ = sc.zero.offload_optimizer;

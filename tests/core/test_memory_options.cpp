@@ -170,3 +170,46 @@ TEST_CASE("the fit advisor proposes the checkpointing options and LoRA where the
     CHECK(stage_memory(again, 0).total() == Approx(stage_memory(c.scenario, 0).total()));
   }
 }
+
+TEST_CASE("op-level selective checkpointing (torchtitan's policy): kept tensors, recomputed matmuls", "[memory][recompute]") {
+  // Llama 3 8B, micro-batch 2 x 8192 tokens, bf16, FSDP on 8 H100 (validation/published/torchtitan_fsdp.yaml).
+  const auto load = [](const std::string& mode) {
+    return load_scenario_from_string("model: {preset: llama3-8b, seq_len: 8192}\ntraining: {global_batch: 16, micro_batch: 2}\n"
+                                     "zero: {stage: 3, engine: fsdp}\nprecision: bf16\nactivation_checkpointing: " + mode +
+                                     "\ncluster: {preset: dgx-h100-ndr, nodes: 1}\n");
+  };
+  const Scenario sc = load("selective_op");
+  REQUIRE(sc.recompute == Recompute::selective_op);
+  CHECK(std::string(to_string(sc.recompute)) == "selective_op");
+  const ModelSpec& m = sc.model;
+  const double tokens = 2.0 * 8192, h = 4096, kv = 1024, f = 14336, a = 32;
+  // Kept per layer: the block input, q, v, SDPA's output (bf16) and its fp32 log-sum-exp, the gate
+  // (w1) and down (w2) outputs: (8h + 2kv + 2f + 4a) bytes per token = 63,616.
+  CHECK(8 * h + 2 * kv + 2 * f + 4 * a == 63616);
+  CHECK(activation_bytes_per_layer(m, 2, 1, false, Recompute::selective_op, false, Dtype::bf16) ==
+        Approx(63616.0 * tokens));
+  CHECK(activation_bytes_per_layer(m, 2, 1, false, Recompute::selective_op, false, Dtype::bf16) <
+        activation_bytes_per_layer(m, 2, 1, false, Recompute::selective, false, Dtype::bf16));
+  // Recomputed: k, the attention output projection and SwiGLU's up (w3), 2 FLOPs per MAC.
+  const double per_layer = tokens * 2 * (h * kv + h * h + h * f);
+  CHECK(hardware_flops_per_iteration(m, 16, Recompute::selective_op) - hardware_flops_per_iteration(m, 16, Recompute::none) ==
+        Approx(8.0 * 32 * per_layer));
+  LayerShape shape;
+  shape.micro_batch = 2;
+  const auto ops = layer_forward_ops(m, shape);
+  CHECK(recompute_cost(ops, Recompute::selective_op).gemm_flops == Approx(per_layer));
+  // The estimator prices the recompute in the Program: more than selective, less than full.
+  const auto recompute_seconds = [&](const std::string& mode) {
+    const Scenario s = load(mode);
+    const Program p = build_program(s, BuildOptions{});
+    const DeviceModel dev(s);
+    double t = 0;
+    for (const Instruction& in : p.ranks[0].instructions)
+      if (in.op == Op::Recompute) t += dev.compute_seconds(p, in);
+    return t;
+  };
+  const double op = recompute_seconds("selective_op"), full = recompute_seconds("full");
+  CHECK(op > recompute_seconds("selective"));
+  CHECK(op < 0.6 * full);
+  CHECK_THAT(test::config_error([&] { load("selective_ops"); }), Contains("selective_op"));
+}

@@ -54,7 +54,7 @@ TEST_CASE("wrong type: the key, its line and what was expected", "[validate]") {
   CHECK_THAT(load_error(tiny_yaml("  tp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 2\n", "precision: fp8\n")),
              Contains("precision.dtype at line 7: expected one of fp32, fp16, bf16, got 'fp8'"));
   CHECK_THAT(load_error(tiny_yaml("  tp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 2\n", "activation_checkpointing: ful\n")),
-             Contains("expected one of none, selective, full, got 'ful'; did you mean 'full'?"));
+             Contains("expected one of none, selective, full, selective_op, got 'ful'; did you mean 'full'?"));
   CHECK_THAT(load_error(tiny_yaml("  tp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 2\n", "optimizer: {betas: [0.9]}\n")),
              Contains("optimizer.betas at line 7: expected a list of two numbers"));
   CHECK_THAT(load_error(tiny_yaml("  pp: 2\n  partition: [1, x]\n")), Contains("parallel.partition[1]") && Contains("got 'x'"));
