@@ -51,9 +51,10 @@ double metric_of(const Report& r, const std::string& metric, const std::string& 
   if (metric == "iteration_seconds") return r.iteration_seconds;
   if (metric == "tokens_per_second") return r.tokens_per_second;
   if (metric == "tokens_per_second_per_gpu") return r.tokens_per_second / gpus;
+  if (metric == "peak_memory_gib_per_gpu") return r.memory.total() / (1024.0 * 1024.0 * 1024.0);
   throw ConfigError(file + ": unknown metric '" + metric +
                     "' (hardware_tflops_per_gpu, model_tflops_per_gpu, iteration_seconds, tokens_per_second, "
-                    "tokens_per_second_per_gpu)");
+                    "tokens_per_second_per_gpu, peak_memory_gib_per_gpu)");
 }
 
 void throughput_rows(Table& t, const YAML::Node& doc, const Predictor& predict) {
