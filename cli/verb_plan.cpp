@@ -195,28 +195,7 @@ int verb_plan(int argc, char** argv) {
     const PlanResult& R = results[bi];
 
     if (R.ranked.empty()) {
-      // Nothing fits at any size asked: say why and what would.
-      std::ostringstream why;
-      const PlanResult& r = results.back();
-      why << "no configuration of " << base.name << " fits " << (sizes.size() > 1 ? "any of the GPU counts asked (up to " : "")
-          << r.gpus << (sizes.size() > 1 ? ")" : "") << " x " << base.cluster.gpu.name << " at global batch " << r.global_batch << " ("
-          << r.enumerated << " configurations: " << r.invalid << " refused by validation, " << r.too_big << " over memory)";
-      if (r.smallest_point)
-        why << "; the smallest peak is " << fmt("%.1f", r.smallest_memory.total() / kGiB) << " GiB of "
-            << fmt("%.0f", base.cluster.gpu.memory_bytes / kGiB) << " GiB (" << r.smallest_point->label() << ")";
-      else if (!r.first_invalid.empty())
-        why << "; e.g. " << r.first_invalid;
-      PlanOptions o = po_;
-      o.gpus = r.gpus;
-      if (auto h = fit_without_fixes(base, o))
-        why << "; without --fix / --vary it fits at " << r.gpus << " GPUs: " << h->point.label() << " ("
-            << fmt("%.1f GiB", h->memory.total() / kGiB) << ")";
-      else if (auto g = smallest_fitting_gpus(base, o))
-        why << "; the smallest GPU count that fits is " << g->gpus << " (" << g->point.label() << ", "
-            << fmt("%.1f GiB", g->memory.total() / kGiB) << "): try --gpus " << g->gpus;
-      else
-        why << "; nothing fits up to " << r.gpus * 64 << " GPUs either";
-      std::fprintf(stderr, "dssim plan: error: %s\n", why.str().c_str());
+      std::fprintf(stderr, "dssim plan: error: %s\n", nothing_fits_message(base, results, po_).c_str());
       return 3;
     }
 

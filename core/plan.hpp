@@ -185,6 +185,10 @@ std::optional<size_t> best_other_family(const PlanResult&);
 // verify_sim; the Python module (python/) returns it as a dict. Results must not all be empty.
 nlohmann::json plan_entry_json(const PlanEntry&, size_t rank, const PlanEntry& best, const Scenario& base);
 size_t best_plan_index(const std::vector<PlanResult>&);
+// When no search found a fitting configuration: why (counts, the smallest peak or a validation
+// message) and what would fit (without the fixes, or the smallest GPU count): the text after
+// "dssim plan: error: ", also the Python module's ConfigError.
+std::string nothing_fits_message(const Scenario& base, const std::vector<PlanResult>&, const PlanOptions&);
 nlohmann::json plan_json(const Scenario& base, const std::vector<PlanResult>&, size_t top, const PlanOptions&);
 
 }  // namespace dssim

@@ -88,8 +88,11 @@ py::object plan_py(const Scenario& base, const std::vector<int>& gpus, int top, 
       results.push_back(plan(base, o));
     }
   }
-  if (results[best_plan_index(results)].ranked.empty())
-    throw ConfigError("no configuration of " + base.name + " fits " + base.cluster.gpu.name + " at the GPU count(s) asked");
+  if (results[best_plan_index(results)].ranked.empty()) {
+    py::gil_scoped_release unlocked;  // the message searches for what would fit
+    const std::string why = nothing_fits_message(base, results, po);
+    throw ConfigError(why);
+  }
   return to_python(plan_json(base, results, static_cast<size_t>(top), po));
 }
 

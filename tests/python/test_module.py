@@ -114,6 +114,13 @@ class Plan(unittest.TestCase):
         for p in r["plans"]:
             self.assertEqual(p["ranked"][0]["config"]["zero_stage"], 1)
 
+    def test_nothing_fits_carries_the_cli_message(self):
+        with self.assertRaises(dssim.ConfigError) as ctx:
+            dssim.plan(GPT13B, gpus=1, vary=["tp", "micro_batch"])
+        p = cli("plan", GPT13B, "--gpus", "1", "--vary", "tp,micro_batch", ok=(3,))
+        self.assertIn("no configuration of", str(ctx.exception))
+        self.assertIn(f"dssim plan: error: {ctx.exception}", p.stderr)
+
     def test_plan_errors(self):
         with self.assertRaises(dssim.ConfigError):
             dssim.plan(GPT13B, vary=["colour"])
