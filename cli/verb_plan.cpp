@@ -83,35 +83,6 @@ std::vector<PlanDim> parse_vary(const std::string& list) {
   return out;
 }
 
-nlohmann::json entry_json(const PlanEntry& e, size_t rank, const PlanEntry& best, const Scenario& sc) {
-  const PlanPoint& p = e.point;
-  const TimeBreakdown& t = e.time;
-  const auto dom = e.dominant();
-  return {{"rank", rank + 1},
-          {"key", p.key()},
-          {"label", p.label()},
-          {"family", p.family()},
-          {"config", {{"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"micro_batch", p.micro_batch},
-                      {"grad_accum", sc.training.global_batch / (int64_t(p.micro_batch) * p.dp)},
-                      {"zero_stage", p.zero}, {"offload", to_string(p.offload)}, {"recompute", to_string(p.recompute)},
-                      {"interleave", p.interleave}, {"sequence_parallel", p.sequence_parallel},
-                      {"lora_rank", p.lora_rank},  // 0: not a LoRA scenario
-                      {"checkpointing", p.checkpointing == 2 ? "partition+cpu" : p.checkpointing == 1 ? "partition" : "none"}}},
-          {"iteration_seconds", e.iteration_seconds},
-          {"tokens_per_second", e.tokens_per_second},
-          {"mfu", e.mfu},
-          {"time_to_train_seconds", e.time_to_train_seconds},
-          {"gpu_hours", e.gpu_hours},
-          {"objective", e.objective},
-          {"gap_to_best", best.objective > 0 ? e.objective / best.objective - 1 : 0},
-          {"memory_bytes", {{"peak", e.memory.total()}, {"capacity", e.capacity}, {"host", e.memory.host}}},
-          {"dominant", {{"part", dom.first}, {"seconds", dom.second}}},
-          {"time_seconds", {{"forward", t.forward}, {"backward", t.backward}, {"recompute", t.recompute},
-                            {"optimizer", t.optimizer}, {"exposed_tp", t.exposed_tp}, {"exposed_pp", t.exposed_pp},
-                            {"exposed_dp", t.exposed_dp}, {"exposed_ep", t.exposed_ep},
-                            {"exposed_offload", t.exposed_offload}, {"bubble", t.bubble}, {"idle", t.idle}}}};
-}
-
 struct SimCheck {
   size_t rank = 0;
   double analytic = 0, simulated = 0;
@@ -220,36 +191,11 @@ int verb_plan(int argc, char** argv) {
       results.push_back(plan(base, o));
     }
     // Best GPU count by the objective (one entry for a single count).
-    size_t bi = 0;
-    for (size_t i = 0; i < results.size(); ++i)
-      if (!results[i].ranked.empty() &&
-          (results[bi].ranked.empty() || results[i].ranked[0].objective < results[bi].ranked[0].objective))
-        bi = i;
+    const size_t bi = best_plan_index(results);
     const PlanResult& R = results[bi];
 
     if (R.ranked.empty()) {
-      // Nothing fits at any size asked: say why and what would.
-      std::ostringstream why;
-      const PlanResult& r = results.back();
-      why << "no configuration of " << base.name << " fits " << (sizes.size() > 1 ? "any of the GPU counts asked (up to " : "")
-          << r.gpus << (sizes.size() > 1 ? ")" : "") << " x " << base.cluster.gpu.name << " at global batch " << r.global_batch << " ("
-          << r.enumerated << " configurations: " << r.invalid << " refused by validation, " << r.too_big << " over memory)";
-      if (r.smallest_point)
-        why << "; the smallest peak is " << fmt("%.1f", r.smallest_memory.total() / kGiB) << " GiB of "
-            << fmt("%.0f", base.cluster.gpu.memory_bytes / kGiB) << " GiB (" << r.smallest_point->label() << ")";
-      else if (!r.first_invalid.empty())
-        why << "; e.g. " << r.first_invalid;
-      PlanOptions o = po_;
-      o.gpus = r.gpus;
-      if (auto h = fit_without_fixes(base, o))
-        why << "; without --fix / --vary it fits at " << r.gpus << " GPUs: " << h->point.label() << " ("
-            << fmt("%.1f GiB", h->memory.total() / kGiB) << ")";
-      else if (auto g = smallest_fitting_gpus(base, o))
-        why << "; the smallest GPU count that fits is " << g->gpus << " (" << g->point.label() << ", "
-            << fmt("%.1f GiB", g->memory.total() / kGiB) << "): try --gpus " << g->gpus;
-      else
-        why << "; nothing fits up to " << r.gpus * 64 << " GPUs either";
-      std::fprintf(stderr, "dssim plan: error: %s\n", why.str().c_str());
+      std::fprintf(stderr, "dssim plan: error: %s\n", nothing_fits_message(base, results, po_).c_str());
       return 3;
     }
 
@@ -292,36 +238,7 @@ int verb_plan(int argc, char** argv) {
 
     const auto other = best_other_family(R);
     if (vm.count("json")) {
-      nlohmann::json j;
-      j["schema"] = "dssim.plan/1";
-      j["scenario"] = {{"name", base.name}, {"source", base.source}};
-      j["objective"] = to_string(po_.objective);
-      j["exact"] = po_.exact;
-      nlohmann::json plans = nlohmann::json::array();
-      for (const PlanResult& r : results) {
-        nlohmann::json p;
-        p["gpus"] = r.gpus;
-        p["global_batch"] = r.global_batch;
-        p["counts"] = {{"enumerated", r.enumerated}, {"invalid", r.invalid}, {"too_big", r.too_big}, {"scored", r.ranked.size()}};
-        p["search_seconds"] = r.seconds;
-        nlohmann::json ranked = nlohmann::json::array();
-        for (size_t i = 0; i < std::min<size_t>(top, r.ranked.size()); ++i)
-          ranked.push_back(entry_json(r.ranked[i], i, r.ranked[0], base));
-        p["ranked"] = ranked;
-        p["scenario_config"] = nullptr;
-        if (r.base_point)
-          p["scenario_config"] = {{"key", r.base_point->key()}, {"label", r.base_point->label()},
-                                  {"rank", r.base_rank ? nlohmann::json(*r.base_rank + 1) : nlohmann::json(nullptr)},
-                                  {"entry", r.base_rank ? entry_json(r.ranked[*r.base_rank], *r.base_rank, r.ranked[0], base)
-                                                        : nlohmann::json(nullptr)}};
-        plans.push_back(p);
-      }
-      j["plans"] = plans;
-      j["best"] = {{"gpus", R.gpus}, {"key", R.ranked[0].point.key()}, {"plan_index", bi}};
-      j["why"] = nullptr;
-      if (other)
-        j["why"] = {{"other_rank", *other + 1}, {"other_key", R.ranked[*other].point.key()},
-                    {"text", explain(R.ranked[0], R.ranked[*other])}};
+      nlohmann::json j = plan_json(base, results, top, po_);
       if (verify > 0) {
         nlohmann::json v = nlohmann::json::array();
         for (const auto& c : checks)

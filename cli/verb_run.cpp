@@ -10,6 +10,7 @@
 #include <vector>
 #include "backends/torch/run.hpp"
 #include "cli/verbs.hpp"
+#include "core/launch_env.hpp"
 #include "core/scenario_loader.hpp"
 
 namespace dssim::cli {
@@ -19,7 +20,8 @@ const char* kUsage =
     "usage: dssim run FILE.yaml [options]\n"
     "  --backend cuda|cpu        where to train (default cpu)\n"
     "  --nproc N                 spawn N local ranks (otherwise RANK/WORLD_SIZE/LOCAL_RANK/\n"
-    "                            MASTER_ADDR/MASTER_PORT from the environment, as torchrun sets them)\n"
+    "                            MASTER_ADDR/MASTER_PORT from the environment, as torchrun sets them;\n"
+    "                            under srun, from SLURM_PROCID/NTASKS/LOCALID/JOB_NODELIST)\n"
     "  --steps K                 optimizer steps (default 10)\n"
     "  --warmup K                steps left out of the median iteration time (default min(2, K/4))\n"
     "  --data FILE               train byte-level on a text file (default: synthetic tokens)\n"
@@ -113,6 +115,8 @@ int verb_run(int argc, char** argv) {
   if (o.backend != "cpu" && o.backend != "cuda") return fail("--backend must be cuda or cpu");
   if (o.engine.resume && o.engine.checkpoint_dir.empty()) return fail("--resume needs --checkpoint-dir");
 
+  // Under srun (no torchrun variables, no --nproc): each Slurm task is a rank.
+  if (nproc == 0) apply_slurm_env();
   if (nproc > 1 && !tb::env_has_rank()) return tb::spawn_local_ranks(nproc, o.timeout_seconds);
   Scenario sc;
   try {

@@ -776,4 +776,109 @@ std::string explain(const PlanEntry& w, const PlanEntry& o) {
   return s.str();
 }
 
+nlohmann::json plan_entry_json(const PlanEntry& e, size_t rank, const PlanEntry& best, const Scenario& sc) {
+  const PlanPoint& p = e.point;
+  const TimeBreakdown& t = e.time;
+  const auto dom = e.dominant();
+  return {{"rank", rank + 1},
+          {"key", p.key()},
+          {"label", p.label()},
+          {"family", p.family()},
+          {"config", {{"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"micro_batch", p.micro_batch},
+                      {"grad_accum", sc.training.global_batch / (int64_t(p.micro_batch) * p.dp)},
+                      {"zero_stage", p.zero}, {"offload", to_string(p.offload)}, {"recompute", to_string(p.recompute)},
+                      {"interleave", p.interleave}, {"sequence_parallel", p.sequence_parallel},
+                      {"lora_rank", p.lora_rank},  // 0: not a LoRA scenario
+                      {"checkpointing", p.checkpointing == 2 ? "partition+cpu" : p.checkpointing == 1 ? "partition" : "none"}}},
+          {"iteration_seconds", e.iteration_seconds},
+          {"tokens_per_second", e.tokens_per_second},
+          {"mfu", e.mfu},
+          {"time_to_train_seconds", e.time_to_train_seconds},
+          {"gpu_hours", e.gpu_hours},
+          {"objective", e.objective},
+          {"gap_to_best", best.objective > 0 ? e.objective / best.objective - 1 : 0},
+          {"memory_bytes", {{"peak", e.memory.total()}, {"capacity", e.capacity}, {"host", e.memory.host}}},
+          {"dominant", {{"part", dom.first}, {"seconds", dom.second}}},
+          {"time_seconds", {{"forward", t.forward}, {"backward", t.backward}, {"recompute", t.recompute},
+                            {"optimizer", t.optimizer}, {"exposed_tp", t.exposed_tp}, {"exposed_pp", t.exposed_pp},
+                            {"exposed_dp", t.exposed_dp}, {"exposed_ep", t.exposed_ep},
+                            {"exposed_offload", t.exposed_offload}, {"bubble", t.bubble}, {"idle", t.idle}}}};
+}
+
+size_t best_plan_index(const std::vector<PlanResult>& results) {
+  size_t bi = 0;
+  for (size_t i = 0; i < results.size(); ++i)
+    if (!results[i].ranked.empty() &&
+        (results[bi].ranked.empty() || results[i].ranked[0].objective < results[bi].ranked[0].objective))
+      bi = i;
+  return bi;
+}
+
+nlohmann::json plan_json(const Scenario& base, const std::vector<PlanResult>& results, size_t top, const PlanOptions& po_) {
+  const size_t bi = best_plan_index(results);
+  const PlanResult& R = results.at(bi);
+  const auto other = best_other_family(R);
+  nlohmann::json j;
+  j["schema"] = "dssim.plan/1";
+  j["scenario"] = {{"name", base.name}, {"source", base.source}};
+  j["objective"] = to_string(po_.objective);
+  j["exact"] = po_.exact;
+  nlohmann::json plans = nlohmann::json::array();
+  for (const PlanResult& r : results) {
+    nlohmann::json p;
+    p["gpus"] = r.gpus;
+    p["global_batch"] = r.global_batch;
+    p["counts"] = {{"enumerated", r.enumerated}, {"invalid", r.invalid}, {"too_big", r.too_big}, {"scored", r.ranked.size()}};
+    p["search_seconds"] = r.seconds;
+    nlohmann::json ranked = nlohmann::json::array();
+    for (size_t i = 0; i < std::min<size_t>(top, r.ranked.size()); ++i)
+      ranked.push_back(plan_entry_json(r.ranked[i], i, r.ranked[0], base));
+    p["ranked"] = ranked;
+    p["scenario_config"] = nullptr;
+    if (r.base_point)
+      p["scenario_config"] = {{"key", r.base_point->key()}, {"label", r.base_point->label()},
+                              {"rank", r.base_rank ? nlohmann::json(*r.base_rank + 1) : nlohmann::json(nullptr)},
+                              {"entry", r.base_rank ? plan_entry_json(r.ranked[*r.base_rank], *r.base_rank, r.ranked[0], base)
+                                                    : nlohmann::json(nullptr)}};
+    plans.push_back(p);
+  }
+  j["plans"] = plans;
+  j["best"] = {{"gpus", R.gpus}, {"key", R.ranked[0].point.key()}, {"plan_index", bi}};
+  j["why"] = nullptr;
+  if (other)
+    j["why"] = {{"other_rank", *other + 1}, {"other_key", R.ranked[*other].point.key()},
+                {"text", explain(R.ranked[0], R.ranked[*other])}};
+  return j;
+}
+
+std::string nothing_fits_message(const Scenario& base, const std::vector<PlanResult>& results, const PlanOptions& po_) {
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  auto fmt = [](const char* f, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, f, v);
+    return std::string(buf);
+  };
+  std::ostringstream why;
+  const PlanResult& r = results.back();
+  why << "no configuration of " << base.name << " fits " << (results.size() > 1 ? "any of the GPU counts asked (up to " : "")
+      << r.gpus << (results.size() > 1 ? ")" : "") << " x " << base.cluster.gpu.name << " at global batch " << r.global_batch << " ("
+      << r.enumerated << " configurations: " << r.invalid << " refused by validation, " << r.too_big << " over memory)";
+  if (r.smallest_point)
+    why << "; the smallest peak is " << fmt("%.1f", r.smallest_memory.total() / kGiB) << " GiB of "
+        << fmt("%.0f", base.cluster.gpu.memory_bytes / kGiB) << " GiB (" << r.smallest_point->label() << ")";
+  else if (!r.first_invalid.empty())
+    why << "; e.g. " << r.first_invalid;
+  PlanOptions o = po_;
+  o.gpus = r.gpus;
+  if (auto h = fit_without_fixes(base, o))
+    why << "; without --fix / --vary it fits at " << r.gpus << " GPUs: " << h->point.label() << " ("
+        << fmt("%.1f GiB", h->memory.total() / kGiB) << ")";
+  else if (auto g = smallest_fitting_gpus(base, o))
+    why << "; the smallest GPU count that fits is " << g->gpus << " (" << g->point.label() << ", "
+        << fmt("%.1f GiB", g->memory.total() / kGiB) << "): try --gpus " << g->gpus;
+  else
+    why << "; nothing fits up to " << r.gpus * 64 << " GPUs either";
+  return why.str();
+}
+
 }  // namespace dssim

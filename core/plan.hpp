@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 #include "core/memory.hpp"
 #include "core/scenario.hpp"
 #include "core/timeline.hpp"
@@ -178,5 +179,16 @@ std::string megatron_args(const Scenario&);
 std::string explain(const PlanEntry& winner, const PlanEntry& other);
 // The best entry of a family other than ranked[0]'s; nullopt when all share it.
 std::optional<size_t> best_other_family(const PlanResult&);
+
+// `dssim plan --json` (schema dssim.plan/1, docs/plan.md) of searches of `base` at one or more GPU
+// counts: each plan's top `top` entries, the best GPU count (plan_index) and the why. The CLI adds
+// verify_sim; the Python module (python/) returns it as a dict. Results must not all be empty.
+nlohmann::json plan_entry_json(const PlanEntry&, size_t rank, const PlanEntry& best, const Scenario& base);
+size_t best_plan_index(const std::vector<PlanResult>&);
+// When no search found a fitting configuration: why (counts, the smallest peak or a validation
+// message) and what would fit (without the fixes, or the smallest GPU count): the text after
+// "dssim plan: error: ", also the Python module's ConfigError.
+std::string nothing_fits_message(const Scenario& base, const std::vector<PlanResult>&, const PlanOptions&);
+nlohmann::json plan_json(const Scenario& base, const std::vector<PlanResult>&, size_t top, const PlanOptions&);
 
 }  // namespace dssim

@@ -9,7 +9,7 @@ PACKAGES=(
   libyaml-cpp-dev nlohmann-json3-dev libeigen3-dev libboost-program-options-dev catch2
   libsimgrid-dev
   libtorch-dev libgloo-dev libopenblas0-pthread
-  python3 python3-matplotlib
+  python3 python3-matplotlib python3-dev pybind11-dev python3-pybind11
 )
 
 missing=()

@@ -631,8 +631,13 @@ TEST_CASE("program: gpt175b-sized build (1024 ranks, pp 8, 96 micro-batches)", "
   }
   for (const Group& g : rep.groups)
     if (g.kind == GroupKind::DP) CHECK(g.ranks.size() == 16);
-  CHECK(rep_s < 0.1);
-  CHECK(full_s < 3.0);  // well under a second on an idle core; slack for the shared CI box
+  // Sizes, not seconds (the WARN above prints those; a loaded CI box stretches them): the
+  // representative Program is one rank per stage, and repeat-encoding keeps the full one near a
+  // million instructions.
+  size_t rep_total = 0;
+  for (const RankProgram& rp : rep.ranks) rep_total += rp.instructions.size();
+  CHECK(rep_total * 8 * 16 == total);
+  CHECK(total < 1024 * 2000);
   CHECK(full.ranks[0].instructions.size() < 2000);
 }
 
