@@ -15,7 +15,9 @@
 #include "backends/sim/sim_backend.hpp"
 #endif
 #include "core/report.hpp"
+#include "core/reliability.hpp"
 #include "core/scenario_loader.hpp"
+#include "core/what_if.hpp"
 
 namespace po = boost::program_options;
 
@@ -34,6 +36,12 @@ int verb_scenario(int argc, char** argv) {
       ("trace-ranks", po::value<std::string>(), "sim: comma-separated ranks to put in the trace (default: all simulated)")
       ("collective-detail", po::value<std::string>()->default_value("phase"),
        "sim: phase (one set of concurrent flows per collective phase) or step (every ring step)")
+      ("what-if", po::value<std::vector<std::string>>()->composing(),
+       "sim: a what-if compared with the clean run (repeatable): 'slow-gpu RANKS xF', 'link NAME xF', 'nic NODE.I xF', "
+       "'node N down-links xF', 'noise P%', 'background-traffic F' (docs/simulator.md)")
+      ("seed", po::value<uint64_t>()->default_value(1), "sim: the noise what-if's first seed")
+      ("samples", po::value<int>()->default_value(1), "sim: iterations drawn with the noise what-if (seeds seed, seed+1, ...)")
+      ("reliability", "report failures, checkpoints and goodput over the run (defaults, or the scenario's reliability: section)")
       ("json", "print the report as JSON (keys: docs/report-json.md)")
       ("output,o", po::value<std::string>(), "also write the JSON report to this file (atomically)")
       ("verbose,v", "more detail: zero rows, bytes per collective");
@@ -61,6 +69,15 @@ int verb_scenario(int argc, char** argv) {
   lo.gpus = vm["gpus"].as<int>();
   try {
     const Scenario sc = load_scenario(vm["file"].as<std::string>(), lo);
+    std::vector<WhatIf> what_ifs = sc.what_if;
+    if (vm.count("what-if"))
+      for (const std::string& spec : vm["what-if"].as<std::vector<std::string>>()) what_ifs.push_back(parse_what_if(spec));
+    check_what_ifs(sc, what_ifs);
+    if (!what_ifs.empty() && backend != "sim")
+      throw ConfigError("what-ifs (--what-if, the scenario's what_if list) need the simulator: use --backend sim" +
+                        std::string(has_predictor("sim") ? "" : " (this build has no SimGrid)"));
+    if (vm["samples"].as<int>() < 1)
+      throw ConfigError("--samples must be at least 1, got " + std::to_string(vm["samples"].as<int>()));
     Report r;
 #ifdef DSSIM_HAVE_SIM
     if (backend == "sim") {
@@ -81,11 +98,19 @@ int verb_scenario(int argc, char** argv) {
       } catch (const std::invalid_argument& e) {
         throw ConfigError(std::string("--collective-detail: ") + e.what());
       }
-      r = simulate(sc, so);
+      so.what_ifs = what_ifs;
+      so.noise_seed = vm["seed"].as<uint64_t>();
+      r = what_ifs.empty() ? simulate(sc, so) : simulate_what_if(sc, so, vm["samples"].as<int>());
       if (!r.fits) r.suggestions = fit_suggestions(sc);
     } else
 #endif
     r = analytic_report(sc);
+    if (vm.count("reliability") || sc.reliability.declared) {
+      double it = r.iteration_seconds;
+      if (r.extras.contains("what_if") && r.extras["what_if"].contains("noise"))
+        it = r.extras["what_if"]["noise"]["mean_seconds"].get<double>();
+      r.extras["reliability"] = goodput_json(goodput_report(sc, it));
+    }
     const nlohmann::json j = report_json(sc, r);
     if (vm.count("output")) write_file_atomically(vm["output"].as<std::string>(), j.dump(2) + "\n");
     if (vm.count("json"))

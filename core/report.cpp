@@ -114,12 +114,16 @@ void line(std::ostringstream& o, const std::string& label, const std::string& va
   o << buf;
 }
 
-std::vector<std::pair<const char*, double>> time_rows(const TimeBreakdown& t) {
+// With pp = 1 there is no pipeline: the compute stream's waits that are not exposed communication
+// are waits for other ranks at a collective (MoE's all-to-all, a slow GPU), not a bubble.
+const char* bubble_label(int pp) { return pp > 1 ? "pipeline bubble" : "waiting for other ranks"; }
+
+std::vector<std::pair<const char*, double>> time_rows(const TimeBreakdown& t, int pp) {
   return {{"forward", t.forward},           {"backward", t.backward},
           {"recompute", t.recompute},       {"optimizer", t.optimizer},
           {"exposed TP comm", t.exposed_tp}, {"exposed PP comm", t.exposed_pp},
           {"exposed DP comm", t.exposed_dp}, {"exposed EP comm", t.exposed_ep},
-          {"exposed offload (PCIe)", t.exposed_offload}, {"pipeline bubble", t.bubble},
+          {"exposed offload (PCIe)", t.exposed_offload}, {bubble_label(pp), t.bubble},
           {"idle (waiting for slowest rank)", t.idle}};
 }
 
@@ -130,7 +134,7 @@ std::vector<std::pair<const char*, double>> memory_rows(const MemoryBreakdown& m
 }
 
 // What only a simulation can tell (backends/sim fills Report::extras["sim"]).
-std::string simulation_text(const nlohmann::json& sim, bool verbose) {
+std::string simulation_text(const nlohmann::json& sim, bool verbose, int pp) {
   std::ostringstream o;
   // Not the breakdown's "exposed" (time the compute stream waited for a transfer): here, the
   // transfer time during which the rank computed nothing at all, whatever it was waiting for.
@@ -144,8 +148,12 @@ std::string simulation_text(const nlohmann::json& sim, bool verbose) {
     }
   if (sim.contains("bubble")) {
     const auto& b = sim["bubble"];
-    line(o, "pipeline bubble", fmt("%.1f %% simulated", 100 * b.value("critical_rank_fraction", 0.0)) +
-                                   fmt(" (1F1B ideal %.1f %%)", 100 * b.value("ideal_1f1b_fraction", 0.0)));
+    if (pp > 1)
+      line(o, "pipeline bubble", fmt("%.1f %% simulated", 100 * b.value("critical_rank_fraction", 0.0)) +
+                                     fmt(" (1F1B ideal %.1f %%)", 100 * b.value("ideal_1f1b_fraction", 0.0)));
+    else if (b.value("critical_rank_fraction", 0.0) > 0)
+      line(o, "waiting for other ranks", fmt("%.1f %% simulated (at collectives; no pipeline)",
+                                             100 * b.value("critical_rank_fraction", 0.0)));
   }
   if (sim.contains("critical_path")) {
     const auto& c = sim["critical_path"];
@@ -161,6 +169,73 @@ std::string simulation_text(const nlohmann::json& sim, bool verbose) {
                                                      human_bytes(l.value("bytes", 0.0)) + fmt(" at %.0f GB/s", l.value("bandwidth", 0.0) / 1e9));
     }
   }
+  return o.str();
+}
+
+// The what-if compared with the clean run (backends/sim simulate_what_if).
+std::string what_if_text(const nlohmann::json& w) {
+  std::ostringstream o;
+  o << "\nWhat-if (compared with the clean run of this invocation)\n";
+  for (const auto& s : w.value("specs", nlohmann::json::array())) line(o, "what-if", s.get<std::string>());
+  const double t0 = w.value("clean_iteration_seconds", 0.0), t = w.value("iteration_seconds", 0.0);
+  line(o, "iteration time", human_seconds(t) + " vs " + human_seconds(t0) + " clean" +
+                                fmt(" (%+.1f %%)", 100 * w.value("change", 0.0)));
+  if (w.contains("time_seconds") && w.contains("clean_time_seconds")) {
+    for (const char* k : {"compute", "exposed_communication", "bubble", "idle"}) {
+      const double a = w["clean_time_seconds"].value(k, 0.0), b = w["time_seconds"].value(k, 0.0);
+      if (a <= 0 && b <= 0) continue;
+      line(o, std::string("  ") + k, human_seconds(b) + " vs " + human_seconds(a) + " clean");
+    }
+  }
+  if (w.contains("noise")) {
+    const auto& n = w["noise"];
+    line(o, "noise", fmt("CV %.1f %% per compute instruction, ", 100 * n.value("cv", 0.0)) +
+                         std::to_string(n.value("samples", 0)) + " samples from seed " +
+                         std::to_string(n.value("seed", uint64_t(0))));
+    line(o, "iteration mean +- sd", human_seconds(n.value("mean_seconds", 0.0)) + " +- " +
+                                        human_seconds(n.value("stddev_seconds", 0.0)) + " (range " +
+                                        human_seconds(n.value("min_seconds", 0.0)) + " - " +
+                                        human_seconds(n.value("max_seconds", 0.0)) + ")");
+    line(o, "synchronization cost", fmt("%+.2f %% on average over the clean run", 100 * n.value("mean_change", 0.0)) +
+                                        " (each GPU's own compute is unchanged on average; every collective waits for its "
+                                        "slowest member)");
+  }
+  line(o, "summary", w.value("summary", std::string()));
+  return o.str();
+}
+
+// Failures and goodput (core/reliability.hpp goodput_json).
+std::string reliability_text(const nlohmann::json& g) {
+  std::ostringstream o;
+  o << "\nFailures and goodput over the run\n";
+  const double mtbf = g["mtbf_seconds"].is_number() ? g["mtbf_seconds"].get<double>() : 0.0;
+  line(o, "failure rate", fmt("%.3g per GPU-hour", g.value("failures_per_gpu_hour", 0.0)) + " x " +
+                              std::to_string(g.value("gpus", 0)) + " GPUs: one every " +
+                              (mtbf > 0 ? human_seconds(mtbf) : std::string("never")));
+  line(o, "checkpoint", human_bytes(g.value("checkpoint_bytes", 0.0)) + " (" +
+                            human_bytes(g.value("checkpoint_bytes_per_rank", 0.0)) + " from the busiest rank), written in " +
+                            human_seconds(g.value("checkpoint_seconds", 0.0)));
+  line(o, "restart", human_seconds(g.value("restart_seconds", 0.0)) + " + restore " +
+                         human_seconds(g.value("restore_seconds", 0.0)));
+  std::string interval = human_seconds(g.value("checkpoint_interval_seconds", 0.0)) + " (" +
+                         std::to_string(g.value("checkpoint_interval_iterations", int64_t(0))) + " iterations)";
+  if (g.value("checkpoint_interval_auto", true)) interval += ", Daly's optimum";
+  line(o, "checkpoint interval", interval);
+  if (g["young_interval_seconds"].is_number() && mtbf > 0)
+    line(o, "optimal interval", "Young " + human_seconds(g["young_interval_seconds"].get<double>()) + ", Daly " +
+                                    human_seconds(g["daly_interval_seconds"].get<double>()));
+  const auto& mc = g["monte_carlo"];
+  line(o, "goodput", fmt("%.2f %% closed form", 100 * g.value("goodput", 0.0)) +
+                         fmt(", %.2f %% Monte-Carlo", 100 * mc.value("goodput", 0.0)) + " (" +
+                         std::to_string(mc.value("jobs", 0)) + " jobs, " +
+                         fmt("%.1f failures each)", mc.value("failures_per_job", 0.0)));
+  if (mtbf > 0)
+    line(o, "lost per failure", human_seconds(g.value("lost_per_failure_seconds", 0.0)) + " (progress since the checkpoint " +
+                                    human_seconds(g.value("lost_progress_per_failure_seconds", 0.0)) + ", then the restart)");
+  if (g.value("useful_seconds", 0.0) > 0)
+    line(o, "time to train", human_seconds(g.value("time_to_train_seconds", 0.0)) + " with failures, " +
+                                 human_seconds(g.value("useful_seconds", 0.0)) + " without" +
+                                 fmt(" (%.1f failures expected)", g.value("expected_failures", 0.0)));
   return o.str();
 }
 
@@ -268,11 +343,13 @@ std::string report_text(const Scenario& sc, const Report& r, bool verbose) {
     line(o, "time to train " + human_count(sc.training.tokens_to_train) + " tokens", human_seconds(r.time_to_train_seconds));
 
   o << "\nWhere the time goes (rank " << r.critical_rank << ")\n";
-  for (auto& [label, v] : time_rows(r.time)) {
+  for (auto& [label, v] : time_rows(r.time, sc.parallel.pp)) {
     if (v <= 0 && !verbose) continue;
     line(o, label, human_seconds(v) + fmt("  %5.1f %%", r.iteration_seconds > 0 ? 100 * v / r.iteration_seconds : 0));
   }
-  if (r.extras.contains("sim")) o << simulation_text(r.extras["sim"], verbose);
+  if (r.extras.contains("sim")) o << simulation_text(r.extras["sim"], verbose, sc.parallel.pp);
+  if (r.extras.contains("what_if")) o << what_if_text(r.extras["what_if"]);
+  if (r.extras.contains("reliability")) o << reliability_text(r.extras["reliability"]);
   if (verbose && !r.wire_bytes_per_rank.empty()) {
     o << "\nBytes on the wire per rank per iteration\n";
     for (auto& [k, v] : r.wire_bytes_per_rank) line(o, k, human_bytes(v));

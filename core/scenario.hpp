@@ -270,6 +270,37 @@ struct ClusterSpec {
   int world() const { return nodes * gpus_per_node; }
 };
 
+// A what-if of the simulator backend (core/what_if.hpp parses the spec, backends/sim applies it;
+// docs/simulator.md "What-ifs").
+struct WhatIf {
+  enum class Kind { SlowGpu, Link, Nic, Node, Noise, Background };
+  Kind kind = Kind::SlowGpu;
+  std::string spec;            // as written, for messages and the report
+  std::vector<int> ranks;      // SlowGpu: the slow GPUs
+  double factor = 1.0;         // SlowGpu / Link / Nic / Node: speed or bandwidth x factor;
+                               // Noise: coefficient of variation (0.05 = 5 %); Background: fraction taken
+  std::string link;            // Link: a link's name as the report lists it, without _UP / _DOWN
+  int node = -1, nic = -1;     // Nic: node and NIC index; Node: node
+};
+
+// Failures and checkpoints over the whole run (core/reliability.hpp). Zeros mean "derive it".
+struct ReliabilitySpec {
+  bool declared = false;               // the scenario has a reliability section
+  // Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on
+  // 16,384 H100 GPUs.
+  double failures_per_gpu_hour = 419.0 / (54.0 * 24.0 * 16384.0);
+  double failures_per_node_day = 0;    // when given, replaces failures_per_gpu_hour
+  double checkpoint_bytes = 0;         // whole checkpoint; 0 = from the memory model
+  double write_bandwidth = 2e12;       // aggregate checkpoint write bandwidth, bytes/s (Llama 3's
+                                       // Tectonic storage: 2 TB/s sustained)
+  double read_bandwidth = 0;           // restore; 0 = write_bandwidth
+  double restore_seconds = 0;          // 0 = checkpoint_bytes / read_bandwidth
+  double restart_seconds = 600;        // detection, rescheduling, process and NCCL start-up
+  double checkpoint_interval = 0;      // seconds of training between checkpoints; 0 = auto (Daly)
+  int samples = 400;                   // Monte-Carlo jobs
+  uint64_t seed = 1;
+};
+
 struct Scenario {
   std::string name;
   std::string source;                // file it came from
@@ -283,6 +314,8 @@ struct Scenario {
   CheckpointingSpec checkpointing;
   FinetuneSpec finetune;
   ClusterSpec cluster;
+  std::vector<WhatIf> what_if;       // the scenario's what_if list (simulator backend)
+  ReliabilitySpec reliability;
   std::vector<std::string> warnings; // e.g. ds_config keys dssim does not use
 };
 

@@ -16,6 +16,7 @@
 #include "core/scenario_layer.hpp"
 #include "core/scenario_units.hpp"
 #include "core/validate.hpp"
+#include "core/what_if.hpp"
 
 #ifndef DSSIM_SOURCE_ROOT
 #define DSSIM_SOURCE_ROOT "."
@@ -403,6 +404,69 @@ const std::vector<Field>& fields() {
     add("cluster.gpu.attention_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.attention_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.memory_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.memory_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.kernel_launch", [](Scenario& s, const Entry& e) { s.cluster.gpu.kernel_launch = get_non_negative(e, D::Time); });
+    // what-ifs of the simulator backend (core/what_if.hpp)
+    add("what_if", [](Scenario& s, const Entry& e) {
+      if (!e.value.IsSequence())
+        type_error(e, std::string("a list of what-ifs such as ['slow-gpu 17 x0.8', 'noise 5%'] (") + what_if_grammar() + ")");
+      s.what_if.clear();
+      for (size_t i = 0; i < e.value.size(); ++i) {
+        Entry item = e;
+        item.value.reset(e.value[i]);
+        item.written_as = (e.written_as.empty() ? e.key : e.written_as) + "[" + std::to_string(i) + "]";
+        const std::string spec = scalar(item, "a what-if such as 'slow-gpu 17 x0.8'");
+        try {
+          s.what_if.push_back(parse_what_if(spec));
+        } catch (const ConfigError& ex) {
+          throw ConfigError(e.origin + ": " + item.where() + ": " + ex.what());
+        }
+      }
+    });
+    // failures and goodput (core/reliability.hpp)
+    add("reliability.failures_per_gpu_hour", [](Scenario& s, const Entry& e) {
+      s.reliability.failures_per_gpu_hour = get_non_negative(e, D::None);
+      s.reliability.failures_per_node_day = 0;
+      s.reliability.declared = true;
+    });
+    add("reliability.failures_per_node_day", [](Scenario& s, const Entry& e) {
+      s.reliability.failures_per_node_day = get_positive(e, D::None);
+      s.reliability.declared = true;
+    });
+    add("reliability.checkpoint_size", [](Scenario& s, const Entry& e) {
+      s.reliability.checkpoint_bytes = get_positive(e, D::Bytes);
+      s.reliability.declared = true;
+    });
+    add("reliability.write_bandwidth", [](Scenario& s, const Entry& e) {
+      s.reliability.write_bandwidth = get_positive(e, D::Bandwidth);
+      s.reliability.declared = true;
+    });
+    add("reliability.read_bandwidth", [](Scenario& s, const Entry& e) {
+      s.reliability.read_bandwidth = get_positive(e, D::Bandwidth);
+      s.reliability.declared = true;
+    });
+    add("reliability.restore_time", [](Scenario& s, const Entry& e) {
+      s.reliability.restore_seconds = get_positive(e, D::Time);
+      s.reliability.declared = true;
+    });
+    add("reliability.restart_overhead", [](Scenario& s, const Entry& e) {
+      s.reliability.restart_seconds = get_non_negative(e, D::Time);
+      s.reliability.declared = true;
+    });
+    add("reliability.checkpoint_interval", [](Scenario& s, const Entry& e) {
+      s.reliability.declared = true;
+      if (e.value.IsScalar() && e.value.Scalar() == "auto") { s.reliability.checkpoint_interval = 0; return; }
+      const std::string v = scalar(e, "'auto' or a time such as '3600 s'");
+      auto t = parse_quantity(v, D::Time);
+      if (!t || *t <= 0) type_error(e, "'auto' (Young / Daly's optimum) or a positive time such as '3600 s'");
+      s.reliability.checkpoint_interval = *t;
+    });
+    add("reliability.samples", [](Scenario& s, const Entry& e) {
+      s.reliability.samples = get_int32(e, 1);
+      s.reliability.declared = true;
+    });
+    add("reliability.seed", [](Scenario& s, const Entry& e) {
+      s.reliability.seed = static_cast<uint64_t>(get_int(e, 0));
+      s.reliability.declared = true;
+    });
     return v;
   }();
   return f;
@@ -423,6 +487,7 @@ const std::map<std::string, std::string>& sections() {
       {"optimizer", "optimizer.type"}, {"cluster", "cluster.preset"},
       {"cluster.gpu", "cluster.gpu.preset"}, {"finetune", "finetune.method"},
       {"activation_checkpointing", "activation_checkpointing.mode"},
+      {"reliability", ""},
   };
   return s;
 }
@@ -466,7 +531,7 @@ std::vector<std::string> keys_of_section(const std::string& section) {
     if (sections().count(section))
       msg += "; valid keys in '" + section + "': " + join(keys_of_section(section));
     else {
-      std::vector<std::string> top = {"name", "description"};
+      std::vector<std::string> top = {"name", "description", "what_if"};
       for (const auto& [s, _] : sections())
         if (s.find('.') == std::string::npos) top.push_back(s);
       msg += "; valid top-level keys: " + join(top);

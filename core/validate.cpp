@@ -174,16 +174,19 @@ void validate(const Scenario& s, const KeyLocator& where) {
   if (const std::string e = pipeline_engine_error(s, [&](const std::string& k) { return c.at(k); }); !e.empty()) c.fail(e);
   c.positive("cluster.nodes", cl.nodes, "");
   c.positive("cluster.gpus_per_node", cl.gpus_per_node, "");
-  if (p.world() != cl.world()) {
-    o << "parallel: tp * pp * dp = " << p.tp << " * " << p.pp << " * " << p.dp << " = " << p.world()
-      << " but the cluster has " << cl.world() << " GPUs (cluster.nodes " << cl.nodes << at("cluster.nodes")
+  // 64-bit products: tp * pp * dp of int32 degrees overflows int (dp = 100000000 read 2105032704).
+  const int64_t world = int64_t(p.tp) * p.pp * p.dp, tp_pp = int64_t(p.tp) * p.pp;
+  const int64_t cluster_world = int64_t(cl.nodes) * cl.gpus_per_node;
+  if (world != cluster_world) {
+    o << "parallel: tp * pp * dp = " << p.tp << " * " << p.pp << " * " << p.dp << " = " << world
+      << " but the cluster has " << cluster_world << " GPUs (cluster.nodes " << cl.nodes << at("cluster.nodes")
       << " x cluster.gpus_per_node " << cl.gpus_per_node << at("cluster.gpus_per_node") << "); ";
-    if (cl.world() % (p.tp * p.pp) == 0)
-      o << "set parallel.dp: " << cl.world() / (p.tp * p.pp) << " (or omit dp to derive it)";
+    if (cluster_world % tp_pp == 0)
+      o << "set parallel.dp: " << cluster_world / tp_pp << " (or omit dp to derive it)";
     else
-      o << "tp * pp = " << p.tp * p.pp << " does not divide " << cl.world() << " GPUs: change tp or pp";
-    if (p.world() % cl.gpus_per_node == 0)
-      o << ", or set cluster.nodes: " << p.world() / cl.gpus_per_node;
+      o << "tp * pp = " << tp_pp << " does not divide " << cluster_world << " GPUs: change tp or pp";
+    if (world % cl.gpus_per_node == 0)
+      o << ", or set cluster.nodes: " << world / cl.gpus_per_node;
     fail();
   }
   if (m.heads % p.tp != 0) {

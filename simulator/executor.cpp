@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
 #include <queue>
 #include <stdexcept>
@@ -47,6 +49,14 @@ struct Rendezvous {
   int arrived = 0;
   double ready = 0;
   std::vector<std::pair<int, uint32_t>> members;
+  std::vector<double> readies;  // each member's arrival
+};
+
+// Who arrives last at collectives.
+struct Lateness {
+  uint64_t joined = 0, last = 0;
+  double waited_for = 0;
+  std::map<int, uint64_t> last_by_kind;
 };
 
 struct P2PPost {
@@ -162,6 +172,7 @@ class Simulation {
   std::unordered_map<const sg4::Link*, int> link_index_;
   std::vector<double> link_bytes_;
   std::unordered_map<RouteKey, std::vector<int>, RouteKeyHash> route_cache_;
+  std::vector<Lateness> late_;
 };
 
 void Simulation::account(const CommPlan& plan, int repeat) {
@@ -355,7 +366,15 @@ void Simulation::start(int v, uint32_t i, double ready) {
   const double secs = seconds_[vr.program_index][i];
   const int repeat = std::max(1, in.repeat);
   result_.spans[v][i].start = ready;
-  if (is_compute(in.op)) { timer(v, i, ready + secs); return; }
+  if (is_compute(in.op)) {
+    double d = secs;
+    if (in.op != Op::HostOptimizerStep) {  // the GPU's kernels, not the host's
+      if (!opts_.compute_scale.empty()) d *= opts_.compute_scale[v];
+      if (opts_.noise_cv > 0) d *= noise_factor(opts_.noise_cv, opts_.noise_seed, vr.rank, i);
+    }
+    timer(v, i, ready + d);
+    return;
+  }
   if (is_collective(in.op)) {
     const int32_t g = lookup(vr.group_map, in.group);
     const uint64_t key = (uint64_t(uint32_t(g)) << 32) | coll_seq_[vr.program_index][i];
@@ -367,9 +386,26 @@ void Simulation::start(int v, uint32_t i, double ready) {
     const double local = device_.collective_local_seconds(in) * repeat;
     rv.ready = std::max(rv.ready, ready + local);
     rv.members.emplace_back(v, i);
+    rv.readies.push_back(ready + local);
     if (rv.arrived < materialized_[g]) return;
     Rendezvous done = std::move(rv);
     rendezvous_.erase(key);
+    if (done.members.size() > 1) {
+      // The last to arrive, if strictly after every other member, held the others up.
+      size_t last = 0;
+      double second = -INFINITY;
+      for (size_t k = 1; k < done.readies.size(); ++k)
+        if (done.readies[k] > done.readies[last]) last = k;
+      for (size_t k = 0; k < done.readies.size(); ++k)
+        if (k != last) second = std::max(second, done.readies[k]);
+      for (auto& [mv, mi] : done.members) late_[mv].joined++;
+      if (done.readies[last] > second + 1e-12) {
+        Lateness& l = late_[done.members[last].first];
+        l.last++;
+        l.waited_for += done.readies[last] - second;
+        l.last_by_kind[int(program_.groups[g].kind)]++;
+      }
+    }
     const std::vector<int>& ranks = program_.groups[g].ranks;
     const CommPlan* plan;
     const PlanKey pk{g, in.op, in.bytes};
@@ -537,6 +573,7 @@ ExecResult Simulation::run() {
   done_.resize(nv);
   posted_.resize(nv);
   result_.spans.resize(nv);
+  late_.assign(nv, Lateness{});
   materialized_.assign(program_.groups.size(), 0);
   for (size_t v = 0; v < nv; ++v) {
     const auto& rp = program_.ranks.at(vranks_[v].program_index);
@@ -591,6 +628,18 @@ ExecResult Simulation::run() {
   for (auto& [c, e] : cls)
     result_.link_classes[c] = {{"links", cls_n[c]}, {"max_utilization", e.first},
                                {"mean_utilization", e.second / cls_n[c]}};
+  // The ranks that kept others waiting longest at collectives (at most 16 listed).
+  std::vector<int> by_wait;
+  for (size_t v = 0; v < late_.size(); ++v)
+    if (late_[v].last > 0) by_wait.push_back(static_cast<int>(v));
+  std::stable_sort(by_wait.begin(), by_wait.end(), [&](int a, int b) { return late_[a].waited_for > late_[b].waited_for; });
+  for (size_t k = 0; k < std::min<size_t>(16, by_wait.size()); ++k) {
+    const Lateness& l = late_[by_wait[k]];
+    nlohmann::json kinds = nlohmann::json::object();
+    for (auto& [kind, n] : l.last_by_kind) kinds[to_string(GroupKind(kind))] = n;
+    result_.late.push_back({{"rank", vranks_[by_wait[k]].rank}, {"joined", l.joined}, {"last", l.last},
+                            {"waited_for_seconds", l.waited_for}, {"last_by_kind", kinds}});
+  }
   result_.engine_wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   return std::move(result_);
 }
@@ -615,6 +664,23 @@ template <class T> T get(const std::string& in, size_t& pos) {
 
 }  // namespace
 
+double noise_factor(double cv, uint64_t seed, int rank, uint32_t instruction) {
+  if (cv <= 0) return 1.0;
+  // splitmix64 of (seed, rank, instruction): two uniforms, Box-Muller, lognormal of mean 1.
+  auto mix = [](uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  const uint64_t h = mix(mix(mix(seed) ^ uint64_t(uint32_t(rank))) ^ (uint64_t(instruction) << 1));
+  const double u1 = (double(h >> 11) + 0.5) * 0x1.0p-53;
+  const double u2 = double(mix(h) >> 11) * 0x1.0p-53;
+  const double z = std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
+  const double s2 = std::log1p(cv * cv);
+  return std::exp(std::sqrt(s2) * z - s2 / 2);
+}
+
 ExecResult execute(const Scenario& sc, const Program& program, const std::vector<VirtualRank>& vranks,
                    const std::vector<std::vector<double>>& seconds, const ExecOptions& opts) {
   int fds[2];
@@ -632,7 +698,7 @@ ExecResult execute(const Scenario& sc, const Program& program, const std::vector
       nlohmann::json meta = {{"instructions", r.instructions}, {"flows", r.flows}, {"timers", r.timers},
                              {"jobs", r.jobs}, {"engine_wall_seconds", r.engine_wall_seconds},
                              {"platform_seconds", r.platform_seconds}, {"rss_kb", long(ru.ru_maxrss)},
-                             {"links", r.links}, {"link_classes", r.link_classes}};
+                             {"links", r.links}, {"link_classes", r.link_classes}, {"late", r.late}};
       put<char>(out, 'O');
       put<double>(out, r.makespan);
       put<uint64_t>(out, r.spans.size());
@@ -688,6 +754,7 @@ ExecResult execute(const Scenario& sc, const Program& program, const std::vector
   r.child_peak_rss_kb = meta["rss_kb"];
   r.links = meta["links"];
   r.link_classes = meta["link_classes"];
+  r.late = meta["late"];
   return r;
 }
 

@@ -30,7 +30,18 @@ struct ExecOptions {
   bool nvswitch_closed_form = true;
   PlatformOptions platform;
   int busiest_links = 10;
+  // What-ifs (core/what_if.hpp). compute_scale[v]: the GPU's kernel times x this (1 / its speed
+  // factor); empty = 1 everywhere. Noise: each compute instruction's time x a lognormal draw of
+  // mean 1 and this coefficient of variation, from a hash of (seed, rank, instruction): the same
+  // draws whatever order the simulation runs them in; 0 = none (the time is not touched).
+  std::vector<double> compute_scale;
+  double noise_cv = 0;
+  uint64_t noise_seed = 0;
 };
+
+// The lognormal factor of mean 1 and coefficient of variation `cv` drawn for (seed, rank,
+// instruction); exactly 1 when cv is 0.
+double noise_factor(double cv, uint64_t seed, int rank, uint32_t instruction);
 
 struct ExecResult {
   std::vector<std::vector<Span>> spans;  // per virtual rank, per template instruction
@@ -42,6 +53,10 @@ struct ExecResult {
   long child_peak_rss_kb = 0;
   nlohmann::json links = nlohmann::json::array();  // busiest links: name, bandwidth, bytes, utilization
   nlohmann::json link_classes = nlohmann::json::object();
+  // Collective arrivals: per virtual rank, the collectives it joined, those it arrived at last
+  // (strictly after every other member), and the seconds the others waited for it there, by
+  // group kind: {"rank", "joined", "last", "waited_for_seconds", "last_by_kind": {kind: n}}.
+  nlohmann::json late = nlohmann::json::array();
 };
 
 // `seconds`: per template instruction durations (core's instruction_seconds), used for compute,

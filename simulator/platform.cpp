@@ -65,8 +65,15 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
   driver_ = drv_zone->create_host("driver", 1e9);
   drv_zone->seal();
 
+  // What-ifs: a named link's factor, and background traffic on the inter-node links.
+  auto what_if = [&](const std::string& name) {
+    double f = 1.0;
+    if (auto it = opts.link_factor.find(name); it != opts.link_factor.end()) f *= it->second;
+    if (name.rfind("nic-", 0) == 0 || name.rfind("leafup-", 0) == 0 || name.rfind("podup-", 0) == 0) f *= opts.fabric_factor;
+    return f;
+  };
   auto add_link = [&](sg4::NetZone* z, const std::string& name, double bw, double lat, double scale) {
-    auto* l = z->create_split_duplex_link(name, bw * scale);
+    auto* l = z->create_split_duplex_link(name, bw * scale * what_if(name));
     l->set_latency(lat);
     l->seal();
     links_.push_back({l->get_link_up(), scale});
@@ -105,7 +112,8 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
     if (pz) {
       auto* cpu = pz->create_host("cpu-" + std::to_string(node), 1e11);
       const double sc = scale_of(node_load[node]);
-      auto* mem = pz->create_link("hostmem-" + std::to_string(node), c.host_memory_bandwidth * sc)
+      auto* mem = pz->create_link("hostmem-" + std::to_string(node),
+                                  c.host_memory_bandwidth * sc * what_if("hostmem-" + std::to_string(node)))
                       ->set_sharing_policy(sg4::Link::SharingPolicy::SHARED)->seal();
       links_.push_back({mem, sc});
       star_route(pz, cpu->get_netpoint(), {{mem, Dir::NONE}});
@@ -212,6 +220,54 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
     fabric->seal();
   }
   root->seal();
+}
+
+int rails_of(const ClusterSpec& c) {
+  return std::clamp(c.nics_per_node, 1, std::max(1, c.gpus_per_node));
+}
+
+std::pair<std::string, double> nic_link(const ClusterSpec& c, int node, int nic) {
+  const int rails = rails_of(c);
+  const int nics = std::max(1, c.nics_per_node);
+  // nics <= gpus per node: one link per NIC; more: nics / rails NICs aggregate into rail nic % rails.
+  const int per_rail = std::max(1, nics / rails);
+  return {"nic-" + std::to_string(node) + "-" + std::to_string(nic % rails), 1.0 / per_rail};
+}
+
+std::string link_name_problem(const ClusterSpec& c, const PlatformOptions& opts, const std::string& name) {
+  const int world = c.world(), rails = rails_of(c);
+  const int per_leaf = std::max(1, opts.nodes_per_leaf);
+  const int groups = (c.nodes + per_leaf - 1) / per_leaf;
+  const int pods = (groups + std::max(1, opts.leaves_per_pod) - 1) / std::max(1, opts.leaves_per_pod);
+  auto range = [](int n) { return n <= 1 ? std::string("0") : "0-" + std::to_string(n - 1); };
+  std::string known = "nvlink-R and pcie-R (R " + range(world) + "), hostmem-N (N " + range(c.nodes) + ")";
+  const bool fabric = c.nodes > 1;
+  const bool leafups = fabric && (groups > 1 || rails > 1);
+  if (fabric) known += ", nic-N-J (J " + range(rails) + ")";
+  if (leafups) known += ", leafup-G-J (G " + range(groups) + ")";
+  if (fabric && c.fat_tree_levels >= 3) known += ", podup-P (P " + range(pods) + ")";
+  const std::string problem = "no link named '" + name + "' in this cluster; links are " + known;
+  // prefix-number[-number]
+  const auto dash = name.find('-');
+  if (dash == std::string::npos) return problem;
+  const std::string prefix = name.substr(0, dash);
+  std::vector<int> nums;
+  size_t pos = dash + 1;
+  while (pos <= name.size()) {
+    const size_t next = name.find('-', pos);
+    const std::string part = name.substr(pos, next == std::string::npos ? std::string::npos : next - pos);
+    if (part.empty() || part.size() > 9 || part.find_first_not_of("0123456789") != std::string::npos) return problem;
+    nums.push_back(std::stoi(part));
+    if (next == std::string::npos) break;
+    pos = next + 1;
+  }
+  const auto ok = [&](bool b) { return b ? std::string() : problem; };
+  if ((prefix == "nvlink" || prefix == "pcie") && nums.size() == 1) return ok(nums[0] < world);
+  if (prefix == "hostmem" && nums.size() == 1) return ok(nums[0] < c.nodes);
+  if (prefix == "nic" && nums.size() == 2) return ok(fabric && nums[0] < c.nodes && nums[1] < rails);
+  if (prefix == "leafup" && nums.size() == 2) return ok(leafups && nums[0] < groups && nums[1] < rails);
+  if (prefix == "podup" && nums.size() == 1) return ok(fabric && c.fat_tree_levels >= 3 && nums[0] < pods);
+  return problem;
 }
 
 int Platform::slot(int rank) const {

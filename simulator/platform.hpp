@@ -16,6 +16,7 @@
 // by k simulated ranks out of n identical ones gets k/n of its bandwidth: under max-min sharing the
 // simulated flows then get exactly the rate the full set would.
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,7 +30,20 @@ struct PlatformOptions {
   int nodes_per_leaf = 32;   // leaf switch down-ports per rail (HDR/NDR 40/64-port switches, half down)
   int leaves_per_pod = 16;   // three-level trees: leaves under one pod (aggregation) layer
   bool with_pcie = true;     // build PCIe/host zones (only needed when the Program copies)
+  // What-ifs (core/what_if.hpp): bandwidth factors by link name (both directions), and the share
+  // of every inter-node link (nic-, leafup-, podup-) left to this job by background traffic.
+  std::map<std::string, double> link_factor;
+  double fabric_factor = 1.0;
 };
+
+// Empty when `name` (without _UP / _DOWN) is a link of the cluster's platform as built unfolded;
+// else why not, with the names that exist.
+std::string link_name_problem(const ClusterSpec& cluster, const PlatformOptions& opts, const std::string& name);
+// The link (base) name of NIC `nic` of `node`, and the share of that link the NIC is (more NICs
+// than rails aggregate into one link per rail).
+std::pair<std::string, double> nic_link(const ClusterSpec& cluster, int node, int nic);
+// The rails (NIC links) per node.
+int rails_of(const ClusterSpec& cluster);
 
 class Platform {
  public:

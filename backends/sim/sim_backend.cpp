@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -10,6 +12,7 @@
 #include "core/estimator.hpp"
 #include "core/grid.hpp"
 #include "core/program_builder.hpp"
+#include "core/scenario_loader.hpp"
 #include "simulator/executor.hpp"
 #include "simulator/trace.hpp"
 #include <sys/resource.h>
@@ -113,7 +116,7 @@ Plan plan_ranks(const Scenario& sc, const Program& p, const SimOptions& opts) {
   const GroupIndex gi(p);
   // MoE with tp > 1: TP peers share expert-parallel / expert-data-parallel groups (core/grid.hpp),
   // so one TP rank cannot stand for its peers.
-  const bool fold_ok = opts.symmetry && tp_closed_form(sc.cluster, p, opts.nvswitch_closed_form) &&
+  const bool fold_ok = opts.symmetry && opts.what_ifs.empty() && tp_closed_form(sc.cluster, p, opts.nvswitch_closed_form) &&
                        !(sc.model.is_moe() && sc.parallel.tp > 1);
   auto represented_of = [&](int rank) {
     std::vector<int> out;
@@ -274,8 +277,7 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
   const auto t0 = std::chrono::steady_clock::now();
   const Program extended = given.representative_only ? with_all_groups(sc, given) : Program{};
   const Program& program = given.representative_only ? extended : given;
-  Plan plan = plan_ranks(sc, program, opts);
-  const auto seconds = instruction_seconds(sc, program);
+  check_what_ifs(sc, opts.what_ifs);
   sim::ExecOptions eo;
   eo.detail = opts.detail == SimOptions::CollectiveDetail::Step ? sim::CollectiveDetail::Step
                                                                : sim::CollectiveDetail::Phase;
@@ -283,6 +285,50 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
   eo.platform.nodes_per_leaf = opts.nodes_per_leaf;
   eo.platform.leaves_per_pod = opts.leaves_per_pod;
   eo.busiest_links = opts.busiest_links;
+  std::map<int, double> slow;  // rank -> kernel time factor
+  for (const WhatIf& w : opts.what_ifs) {
+    switch (w.kind) {
+      case WhatIf::Kind::SlowGpu:
+        for (int r : w.ranks) slow[r] = (slow.count(r) ? slow[r] : 1.0) / w.factor;
+        break;
+      case WhatIf::Kind::Link: {
+        const std::string why = sim::link_name_problem(sc.cluster, eo.platform, w.link);
+        if (!why.empty()) throw ConfigError("what-if '" + w.spec + "': " + why);
+        auto& f = eo.platform.link_factor.emplace(w.link, 1.0).first->second;
+        f *= w.factor;
+        if (w.link.rfind("nvlink-", 0) == 0) eo.nvswitch_closed_form = false;  // the closed form assumes every port at speed
+        break;
+      }
+      case WhatIf::Kind::Nic: {
+        const auto [name, share] = sim::nic_link(sc.cluster, w.node, w.nic);
+        auto& f = eo.platform.link_factor.emplace(name, 1.0).first->second;
+        f *= 1 - share * (1 - w.factor);
+        break;
+      }
+      case WhatIf::Kind::Node:
+        for (int j = 0; j < sim::rails_of(sc.cluster); ++j) {
+          auto& f = eo.platform.link_factor.emplace("nic-" + std::to_string(w.node) + "-" + std::to_string(j), 1.0).first->second;
+          f *= w.factor;
+        }
+        break;
+      case WhatIf::Kind::Noise:
+        eo.noise_cv = w.factor;
+        eo.noise_seed = opts.noise_seed;
+        break;
+      case WhatIf::Kind::Background:
+        eo.platform.fabric_factor *= 1 - w.factor;
+        break;
+    }
+  }
+  SimOptions plan_opts = opts;
+  if (!eo.nvswitch_closed_form) plan_opts.nvswitch_closed_form = false;
+  Plan plan = plan_ranks(sc, program, plan_opts);
+  const auto seconds = instruction_seconds(sc, program);
+  if (!slow.empty()) {
+    eo.compute_scale.assign(plan.vranks.size(), 1.0);
+    for (size_t v = 0; v < plan.vranks.size(); ++v)
+      if (auto it = slow.find(plan.vranks[v].rank); it != slow.end()) eo.compute_scale[v] = it->second;
+  }
   sim::ExecResult ex = sim::execute(sc, program, plan.vranks, seconds, eo);
 
   SimRun run;
@@ -404,7 +450,8 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
     for (auto& [v, name] : parts) if (v > best) { best = v; why = name; }
   }
   sim["critical_path"] = {{"straggler_rank", r.critical_rank}, {"dominant", why},
-                          {"ranks_by_slack", st}, {"max_slack_seconds", max_slack}};
+                          {"ranks_by_slack", st}, {"max_slack_seconds", max_slack},
+                          {"late_at_collectives", ex.late}};
   sim["simulation"] = {{"ranks_simulated", run.ranks.size()}, {"ranks_represented", plan.represented},
                        {"folded_tensor_parallel", plan.folded_tp}, {"expanded_stage_representatives", plan.expanded},
                        {"collective_detail", opts.detail == SimOptions::CollectiveDetail::Step ? "step" : "phase"},
@@ -434,6 +481,82 @@ SimRun simulate_run(const Scenario& sc, const SimOptions& opts) {
 }
 
 Report simulate(const Scenario& sc, const SimOptions& opts) { return simulate_run(sc, opts).report; }
+
+Report simulate_what_if(const Scenario& sc, const SimOptions& opts, int samples) {
+  check_what_ifs(sc, opts.what_ifs);
+  SimOptions clean_opts = opts;
+  clean_opts.what_ifs.clear();
+  clean_opts.trace_path.clear();
+  const Report clean = simulate(sc, clean_opts);
+  bool noise = false;
+  double cv = 0;
+  std::vector<std::string> specs;
+  for (const WhatIf& w : opts.what_ifs) {
+    specs.push_back(w.spec);
+    if (w.kind == WhatIf::Kind::Noise) { noise = true; cv = w.factor; }
+  }
+  if (samples < 1) throw ConfigError("--samples must be at least 1, got " + std::to_string(samples));
+  const int n = noise ? samples : 1;
+  Report r;
+  std::vector<double> its;
+  for (int k = 0; k < n; ++k) {
+    SimOptions o = opts;
+    o.noise_seed = opts.noise_seed + uint64_t(k);
+    if (k > 0) o.trace_path.clear();
+    Report rk = simulate(sc, o);
+    its.push_back(rk.iteration_seconds);
+    if (k == 0) r = std::move(rk);
+  }
+  const double t0 = clean.iteration_seconds;
+  const double t = r.iteration_seconds;
+  nlohmann::json w;
+  w["specs"] = specs;
+  w["clean_iteration_seconds"] = t0;
+  w["iteration_seconds"] = t;
+  w["change"] = t0 > 0 ? t / t0 - 1 : 0.0;
+  w["clean_time_seconds"] = {{"compute", clean.time.forward + clean.time.backward + clean.time.recompute + clean.time.optimizer},
+                             {"exposed_communication", clean.time.exposed_tp + clean.time.exposed_pp + clean.time.exposed_dp +
+                                                           clean.time.exposed_ep + clean.time.exposed_offload},
+                             {"bubble", clean.time.bubble}, {"idle", clean.time.idle}};
+  w["time_seconds"] = {{"compute", r.time.forward + r.time.backward + r.time.recompute + r.time.optimizer},
+                       {"exposed_communication", r.time.exposed_tp + r.time.exposed_pp + r.time.exposed_dp +
+                                                     r.time.exposed_ep + r.time.exposed_offload},
+                       {"bubble", r.time.bubble}, {"idle", r.time.idle}};
+  // The rank that kept the others waiting longest at collectives.
+  std::string summary;
+  {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%+.1f%%", 100 * w["change"].get<double>());
+    summary = buf;
+  }
+  const auto& late = r.extras["sim"]["critical_path"]["late_at_collectives"];
+  if (!late.empty()) {
+    const auto& s = late[0];
+    w["straggler"] = s;
+    std::string kinds;
+    for (auto& [kind, cnt] : s["last_by_kind"].items())
+      kinds += (kinds.empty() ? "" : ", ") + kind + " " + std::to_string(cnt.get<uint64_t>());
+    char buf[256];
+    std::snprintf(buf, sizeof buf, ": rank %d arrived last at %llu of the %llu collectives it joined (%s); the others waited %.3f s for it",
+                  s["rank"].get<int>(), (unsigned long long)s["last"].get<uint64_t>(),
+                  (unsigned long long)s["joined"].get<uint64_t>(), kinds.c_str(), s["waited_for_seconds"].get<double>());
+    summary += buf;
+  }
+  w["summary"] = summary;
+  if (noise) {
+    double mean = 0, var = 0;
+    for (double x : its) mean += x / n;
+    for (double x : its) var += (x - mean) * (x - mean);
+    const double sd = n > 1 ? std::sqrt(var / (n - 1)) : 0.0;
+    w["noise"] = {{"cv", cv}, {"samples", n}, {"seed", opts.noise_seed}, {"iteration_seconds", its},
+                  {"mean_seconds", mean}, {"stddev_seconds", sd},
+                  {"min_seconds", *std::min_element(its.begin(), its.end())},
+                  {"max_seconds", *std::max_element(its.begin(), its.end())},
+                  {"mean_change", t0 > 0 ? mean / t0 - 1 : 0.0}};
+  }
+  r.extras["what_if"] = w;
+  return r;
+}
 Report simulate_program(const Scenario& sc, const Program& program, const SimOptions& opts) {
   return simulate_program_run(sc, program, opts).report;
 }

@@ -10,6 +10,7 @@
 #include "core/report.hpp"
 #include "core/scenario.hpp"
 #include "core/timeline.hpp"
+#include "core/what_if.hpp"
 
 namespace dssim {
 
@@ -25,6 +26,11 @@ struct SimOptions {
   int nodes_per_leaf = 32;          // fat tree: nodes under one (rail) leaf switch
   int leaves_per_pod = 16;          // three-level trees: leaves per pod
   int busiest_links = 10;           // links listed in extras.sim.links.busiest (those with traffic)
+  // What-ifs (core/what_if.hpp; docs/simulator.md "What-ifs"). Any what-if turns TP folding off
+  // (the slow GPU or degraded link makes the folded ranks differ); stage representatives are
+  // still expanded (exact). A what-if on an NVLink also turns the NVSwitch closed form off.
+  std::vector<WhatIf> what_ifs;
+  uint64_t noise_seed = 1;          // the noise what-if's draws
 };
 
 // What a simulation produced, for callers that want more than the Report (tests, bench).
@@ -45,6 +51,13 @@ Report simulate(const Scenario& sc, const SimOptions& opts = {});
 Report simulate_program(const Scenario& sc, const Program& program, const SimOptions& opts = {});
 SimRun simulate_run(const Scenario& sc, const SimOptions& opts = {});
 SimRun simulate_program_run(const Scenario& sc, const Program& program, const SimOptions& opts = {});
+
+// The what-if run compared with the clean run, in one call: runs the scenario clean (the what-ifs
+// of `opts` removed) and with the what-ifs (`samples` times with seeds noise_seed, noise_seed + 1,
+// ... when one of them is noise), and returns the what-if run's report (the first sample's) with
+// Report::extras["what_if"]: the clean and what-if iteration times, the change, the rank that
+// kept the others waiting at collectives, and with noise the mean, spread and range over samples.
+Report simulate_what_if(const Scenario& sc, const SimOptions& opts, int samples = 1);
 
 // Parses "phase" | "step" (the CLI's --collective-detail); throws std::invalid_argument.
 SimOptions::CollectiveDetail parse_collective_detail(const std::string& s);

@@ -358,6 +358,96 @@ PY
     expect_rc 1
     [ -z "$(ls -A "$TMP/outdir")" ] || fail "partial record left"
     ;;
+  what_if_slow_gpu)
+    # The what-if run against the clean one, both in this invocation; JSON carries both.
+    run scenario scenarios/gpt175b.yaml --what-if "slow-gpu 17 x0.8" --json --output "$TMP/outdir/w.json"
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "what-if JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+w = j["extras"]["what_if"]
+assert w["specs"] == ["slow-gpu 17 x0.8"], w["specs"]
+assert w["iteration_seconds"] == j["throughput"]["iteration_seconds"]
+assert w["iteration_seconds"] > w["clean_iteration_seconds"] > 0
+assert abs(w["change"] - (w["iteration_seconds"] / w["clean_iteration_seconds"] - 1)) < 1e-12
+assert w["straggler"]["rank"] == 17, w["straggler"]
+assert w["summary"].startswith("+"), w["summary"]
+assert j["extras"]["sim"]["simulation"]["folded_tensor_parallel"] is False
+PY
+    run scenario scenarios/gpt175b.yaml --what-if "slow-gpu 17 x0.8"
+    expect_rc 0
+    expect_out "^What-if \(compared with the clean run"
+    expect_out "summary +\+[0-9.]+%: rank 17 arrived last"
+    ;;
+  what_if_bad)
+    run scenario scenarios/gpt175b.yaml --what-if "slow-gpu 17 0.8" --output "$TMP/outdir/w.json"
+    expect_refused "what-if 'slow-gpu 17 0.8'.*xF"
+    run scenario scenarios/gpt175b.yaml --what-if "slow-gpu 5000 x0.5" --output "$TMP/outdir/w.json"
+    expect_refused "rank 5000 does not exist.*ranks 0-1023"
+    run scenario scenarios/gpt175b.yaml --what-if "link nic-999-0 x0.5" --output "$TMP/outdir/w.json"
+    expect_refused "no link named 'nic-999-0'.*nic-N-J"
+    run scenario scenarios/gpt175b.yaml --backend analytic --what-if "noise 5%" --output "$TMP/outdir/w.json"
+    expect_refused "need the simulator: use --backend sim"
+    yaml <<'Y'
+model: gpt3-175b
+cluster: {preset: dgx-a100-hdr, nodes: 2}
+parallel: {tp: 8, pp: 2}
+training: {global_batch: 16, micro_batch: 1}
+what_if: ["slow-gpu 1 x0.5", "noise five"]
+Y
+    run scenario "$TMP/s.yaml" --output "$TMP/outdir/w.json"
+    expect_refused "what_if\[1\].*line 5.*noise 5%"
+    ;;
+  reliability_report)
+    run scenario scenarios/gpt175b.yaml --reliability --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "reliability JSON check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+g = j["extras"]["reliability"]
+assert abs(g["failures_per_gpu_hour"] - 419 / (54 * 24 * 16384)) < 1e-12
+assert 0.9 < g["goodput"] < 1
+assert abs(g["monte_carlo"]["goodput"] - g["goodput"]) <= 0.02 * g["goodput"]
+assert g["checkpoint_interval_auto"] is True
+assert g["checkpoint_interval_iterations"] >= 1
+assert g["checkpoint_bytes"] > 2e12
+PY
+    yaml <<'Y'
+model: gpt3-175b
+cluster: {preset: dgx-a100-hdr, nodes: 2}
+parallel: {tp: 8, pp: 2}
+training: {global_batch: 16, micro_batch: 1, tokens_to_train: 1e9}
+reliability: {failures_per_node_day: 2, checkpoint_interval: 1800 s, restart_overhead: 300 s, write_bandwidth: 20 GB/s}
+Y
+    run scenario "$TMP/s.yaml" --backend analytic
+    expect_rc 0
+    expect_out "^Failures and goodput over the run"
+    expect_out "goodput +[0-9.]+ % closed form, [0-9.]+ % Monte-Carlo"
+    expect_out "time to train +.* with failures"
+    run scenario "$TMP/s.yaml" --backend analytic --set reliability.checkpoint_interval=often
+    expect_refused "reliability.checkpoint_interval.*auto"
+    ;;
+  dp_overflow_message)
+    run scenario scenarios/gpt175b.yaml --set parallel.dp=100000000
+    expect_refused "tp \* pp \* dp = 8 \* 8 \* 100000000 = 6400000000 but the cluster has 1024 GPUs"
+    ;;
+  moe_links_and_waits)
+    # Link utilization is a fraction of the iteration; with pp = 1 there is no pipeline bubble.
+    run scenario scenarios/moe.yaml --json
+    expect_rc 0
+    python3 - "$TMP/out" <<'PY' || fail "moe check failed"
+import json, sys
+j = json.load(open(sys.argv[1]))
+s = j["extras"]["sim"]
+for l in s["links"]["busiest"]:
+    assert 0 <= l["utilization"] <= 1 + 1e-9, l
+for c, v in s["links"]["classes"].items():
+    assert 0 <= v["max_utilization"] <= 1 + 1e-9, (c, v)
+PY
+    run scenario scenarios/moe.yaml
+    expect_rc 0
+    grep -q "pipeline bubble" "$TMP/out" && fail "pp = 1 reports a pipeline bubble"
+    ;;
   *) fail "unknown case" ;;
 esac
 echo "ok [$CASE]"
