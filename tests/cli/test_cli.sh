@@ -413,10 +413,11 @@ assert g["checkpoint_interval_iterations"] >= 1
 assert g["checkpoint_bytes"] > 2e12
 PY
     yaml <<'Y'
-model: gpt3-175b
+model: gpt-1.3b
 cluster: {preset: dgx-a100-hdr, nodes: 2}
-parallel: {tp: 8, pp: 2}
-training: {global_batch: 16, micro_batch: 1, tokens_to_train: 1e9}
+parallel: {tp: 1, pp: 1}
+zero: 1
+training: {global_batch: 64, micro_batch: 4, tokens_to_train: 1e9}
 reliability: {failures_per_node_day: 2, checkpoint_interval: 1800 s, restart_overhead: 300 s, write_bandwidth: 20 GB/s}
 Y
     run scenario "$TMP/s.yaml" --backend analytic
