@@ -428,7 +428,9 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
   sim["bubble"] = {{"critical_rank_seconds", r.time.bubble},
                    {"critical_rank_fraction", ex.makespan > 0 ? r.time.bubble / ex.makespan : 0.0},
                    {"mean_seconds", bmean}, {"max_seconds", bmax},
-                   {"ideal_1f1b_fraction", pp > 1 && m > 0 ? double(pp - 1) / (m + pp - 1) : 0.0}};
+                   {"ideal_1f1b_fraction", pp > 1 && m > 0 ? double(pp - 1) / (m + pp - 1) : 0.0},
+                   // With pp = 1 there is no pipeline: the wait is for other ranks at collectives.
+                   {"kind", pp > 1 ? "pipeline" : "waiting_for_other_ranks"}};
   sim["links"] = {{"busiest", ex.links}, {"classes", ex.link_classes}};
   // Stragglers: the ranks that end last set the iteration time; slack = how much later they
   // could have finished without delaying it.
@@ -530,7 +532,9 @@ Report simulate_what_if(const Scenario& sc, const SimOptions& opts, int samples)
     summary = buf;
   }
   const auto& late = r.extras["sim"]["critical_path"]["late_at_collectives"];
-  if (!late.empty()) {
+  if (std::abs(t - t0) <= 1e-9 * t0) {
+    summary += ": no change (what the what-ifs touch is not on the critical path, or has headroom)";
+  } else if (!late.empty()) {
     const auto& s = late[0];
     w["straggler"] = s;
     std::string kinds;

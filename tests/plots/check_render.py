@@ -2,7 +2,7 @@
 """Render every plot headless into a temporary folder and check each PNG.
 
   check_render.py DSSIM  -> exit 0 when pipeline_timeline, memory_breakdown, scaling, validation,
-                            compare and plan_sweep exist, are valid PNGs (signature, IHDR, IEND) of a sane
+                            compare, plan_sweep and what_if exist, are valid PNGs (signature, IHDR, IEND) of a sane
                             size in pixels, and are not trivially small files.
 """
 import os
@@ -18,7 +18,7 @@ os.environ["MPLBACKEND"] = "Agg"
 
 import render_all  # noqa: E402
 
-EXPECTED = ["pipeline_timeline", "memory_breakdown", "scaling", "validation", "compare", "plan_sweep"]
+EXPECTED = ["pipeline_timeline", "memory_breakdown", "scaling", "validation", "compare", "plan_sweep", "what_if"]
 MIN_BYTES = 20_000     # a blank or axes-only figure of this size compresses to a few KB
 MAX_BYTES = 2_000_000
 
