@@ -184,7 +184,7 @@ std::string what_if_text(const nlohmann::json& w) {
     for (const char* k : {"compute", "exposed_communication", "bubble", "idle"}) {
       const double a = w["clean_time_seconds"].value(k, 0.0), b = w["time_seconds"].value(k, 0.0);
       if (a <= 0 && b <= 0) continue;
-      line(o, std::string("  ") + k, human_seconds(b) + " vs " + human_seconds(a) + " clean");
+      line(o, std::string("  ") + k, human_seconds(b) + " vs " + human_seconds(a) + " clean (critical rank)");
     }
   }
   if (w.contains("noise")) {

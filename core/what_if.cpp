@@ -8,8 +8,8 @@
 namespace dssim {
 
 const char* what_if_grammar() {
-  return "slow-gpu RANKS xF (e.g. 'slow-gpu 17 x0.8', 'slow-gpu 16-23 x0.5'), link NAME xF (e.g. 'link nic-3-1 x0.5'), "
-         "nic NODE.I xF (e.g. 'nic 2.0 x0.5'), node N down-links xF (e.g. 'node 2 down-links x0.25'), "
+  return "slow-gpu RANKS xF (e.g. 'slow-gpu 17 x0.8', 'slow-gpu 16-23 x0.5'), link NAME xF|down (e.g. 'link nic-3-1 x0.5'), "
+         "nic NODE.I xF|down (e.g. 'nic 2.0 x0.5', 'nic 2.0 down'), node N down-links xF (e.g. 'node 2 down-links x0.25'), "
          "noise P% (e.g. 'noise 5%'), background-traffic F (e.g. 'background-traffic 0.3')";
 }
 
@@ -38,7 +38,7 @@ double parse_factor(const std::string& spec, const std::string& w) {
   double f = 0;
   if (w.size() < 2 || w[0] != 'x' || !parse_double(w.substr(1), f))
     bad(spec, "expected a factor written xF (x0.5 = half the speed or bandwidth), got '" + w + "'");
-  if (f <= 0) bad(spec, "the factor must be greater than 0, got '" + w + "' (a link that is down is not modelled yet)");
+  if (f <= 0) bad(spec, "the factor must be greater than 0, got '" + w + "' (a NIC that is down: 'nic NODE.I down' or 'link nic-N-J down')");
   return f;
 }
 
@@ -78,10 +78,7 @@ WhatIf parse_what_if(const std::string& spec) {
     wi.ranks = parse_ranks(spec, w[1]);
     wi.factor = parse_factor(spec, w[2]);
   } else if (k == "link") {
-    if (w.size() == 3 && w[2] == "down")
-      bad(spec, "a link that is down (traffic rerouted) is not modelled yet; degrade it instead, e.g. 'link " + w[1] +
-                    " x0.01'");
-    if (w.size() != 3) bad(spec, "link takes NAME and xF");
+    if (w.size() != 3) bad(spec, "link takes NAME and xF (or down)");
     wi.kind = WhatIf::Kind::Link;
     wi.link = w[1];
     for (const char* suffix : {"_UP", "_DOWN"}) {
@@ -90,14 +87,14 @@ WhatIf parse_what_if(const std::string& spec) {
         bad(spec, "what-ifs scale both directions of a link: write 'link " + wi.link.substr(0, wi.link.size() - s.size()) +
                       " " + w[2] + "'");
     }
-    wi.factor = parse_factor(spec, w[2]);
+    wi.factor = w[2] == "down" ? 0.0 : parse_factor(spec, w[2]);
   } else if (k == "nic") {
     if (w.size() != 3) bad(spec, "nic takes NODE.I and xF");
     const auto dot = w[1].find('.');
     if (dot == std::string::npos || !parse_int(w[1].substr(0, dot), wi.node) || !parse_int(w[1].substr(dot + 1), wi.nic))
       bad(spec, "expected NODE.I (node index, NIC index in the node: 2.0), got '" + w[1] + "'");
     wi.kind = WhatIf::Kind::Nic;
-    wi.factor = parse_factor(spec, w[2]);
+    wi.factor = w[2] == "down" ? 0.0 : parse_factor(spec, w[2]);
   } else if (k == "node") {
     if (w.size() != 4 || w[2] != "down-links") bad(spec, "node takes N down-links xF");
     if (!parse_int(w[1], wi.node)) bad(spec, "'" + w[1] + "' is not a node index");

@@ -131,6 +131,7 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
   if (pz) pz->seal();
 
   // Fabric between nodes.
+  std::map<std::pair<int, int>, sg4::Host*> nic_host;  // (node, rail) -> NIC endpoint
   if (c.nodes > 1 || slots_by_node.size() > 1) {
     const int per_leaf = std::max(1, opts.nodes_per_leaf);
     const bool three = c.fat_tree_levels >= 3;
@@ -192,6 +193,7 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
           if (rail_fabric) rail_fabric->add_nic(h, l, leaf);
           else star_route(lz, h->get_netpoint(), {{l, Dir::UP}});
           it = nic_of_node.emplace(node, h).first;
+          nic_host[{node, rail}] = h;
         }
         nic_[s] = it->second;
       }
@@ -220,6 +222,21 @@ Platform::Platform(const ClusterSpec& c, const std::vector<int>& used, const Pla
     fabric->seal();
   }
   root->seal();
+  // A NIC that is down: its GPUs use the node's next working NIC.
+  for (size_t i = 0; i < used.size() && !opts.nic_down.empty(); ++i) {
+    const int node = node_of(used[i]), rail = rail_of(used[i]);
+    if (!opts.nic_down.count({node, rail})) continue;
+    sg4::Host* alt = nullptr;
+    for (int k = 1; k < rails_ && !alt; ++k) {
+      const int r2 = (rail + k) % rails_;
+      if (opts.nic_down.count({node, r2})) continue;
+      if (auto it = nic_host.find({node, r2}); it != nic_host.end()) alt = it->second;
+    }
+    if (!alt)
+      throw std::invalid_argument("simulator: node " + std::to_string(node) + " has no working NIC to reroute rank " +
+                                  std::to_string(used[i]) + "'s traffic through");
+    nic_[i] = alt;
+  }
 }
 
 int rails_of(const ClusterSpec& c) {

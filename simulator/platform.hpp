@@ -17,6 +17,7 @@
 // simulated flows then get exactly the rate the full set would.
 #pragma once
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,10 @@ struct PlatformOptions {
   // of every inter-node link (nic-, leafup-, podup-) left to this job by background traffic.
   std::map<std::string, double> link_factor;
   double fabric_factor = 1.0;
+  // NICs that are down, as (node, rail): their GPUs' inter-node traffic goes through the node's
+  // next working NIC (NCCL's PXN: over NVLink to a GPU of that rail, then its NIC), crossing rails
+  // through the spine.
+  std::set<std::pair<int, int>> nic_down;
 };
 
 // Empty when `name` (without _UP / _DOWN) is a link of the cluster's platform as built unfolded;

@@ -294,6 +294,15 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
       case WhatIf::Kind::Link: {
         const std::string why = sim::link_name_problem(sc.cluster, eo.platform, w.link);
         if (!why.empty()) throw ConfigError("what-if '" + w.spec + "': " + why);
+        if (w.factor == 0) {  // down: only a NIC's traffic can go elsewhere (another NIC of its node)
+          int node = -1, rail = -1;
+          if (std::sscanf(w.link.c_str(), "nic-%d-%d", &node, &rail) != 2)
+            throw ConfigError("what-if '" + w.spec + "': traffic cannot be rerouted around " + w.link +
+                              " in this topology (one route: a star of leaves, one uplink per leaf and rail); "
+                              "degrade it instead, e.g. 'link " + w.link + " x0.01'");
+          eo.platform.nic_down.insert({node, rail});
+          break;
+        }
         auto& f = eo.platform.link_factor.emplace(w.link, 1.0).first->second;
         f *= w.factor;
         if (w.link.rfind("nvlink-", 0) == 0) eo.nvswitch_closed_form = false;  // the closed form assumes every port at speed
@@ -301,8 +310,12 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
       }
       case WhatIf::Kind::Nic: {
         const auto [name, share] = sim::nic_link(sc.cluster, w.node, w.nic);
+        if (w.factor == 0 && share == 1.0) {  // the rail's only NIC: reroute through another NIC
+          eo.platform.nic_down.insert({w.node, std::stoi(name.substr(name.rfind('-') + 1))});
+          break;
+        }
         auto& f = eo.platform.link_factor.emplace(name, 1.0).first->second;
-        f *= 1 - share * (1 - w.factor);
+        f *= 1 - share * (1 - w.factor);  // down with NICs aggregated per rail: the others carry it
         break;
       }
       case WhatIf::Kind::Node:
@@ -319,6 +332,15 @@ SimRun simulate_program_run(const Scenario& sc, const Program& given, const SimO
         eo.platform.fabric_factor *= 1 - w.factor;
         break;
     }
+  }
+  // Every NIC of a node down: nothing to reroute through.
+  for (const auto& [node, rail] : eo.platform.nic_down) {
+    int working = 0;
+    for (int j = 0; j < sim::rails_of(sc.cluster); ++j) working += !eo.platform.nic_down.count({node, j});
+    if (working == 0)
+      throw ConfigError("what-ifs: every NIC of node " + std::to_string(node) + " is down (cluster.nics_per_node " +
+                        std::to_string(sc.cluster.nics_per_node) + "): its GPUs cannot reach other nodes; "
+                        "degrade them instead ('node " + std::to_string(node) + " down-links x0.1')");
   }
   SimOptions plan_opts = opts;
   if (!eo.nvswitch_closed_form) plan_opts.nvswitch_closed_form = false;

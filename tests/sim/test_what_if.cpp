@@ -199,3 +199,32 @@ TEST_CASE("a what-if on a link no flow crosses changes nothing", "[what-if]") {
   const Report used = simulate_program(sc, p, with({"link nic-0-0 x0.5"}));
   CHECK(used.iteration_seconds > 1.9 * clean.iteration_seconds);
 }
+
+TEST_CASE("a NIC that is down: its GPUs' traffic goes through the node's next NIC, or a clear error", "[what-if]") {
+  // 2 nodes x 2 GPUs, 2 NICs each; ranks 0-2 (rail 0) and 1-3 (rail 1) all-reduce at once.
+  const Scenario sc = cluster_scenario(2, 2, 2, 25e9);
+  Program p = allreduce_program(4, {0, 2}, 1e9);
+  p.groups.push_back({GroupKind::DP, {1, 3}});
+  for (int r : {1, 3}) {
+    Instruction in = p.ranks[0].instructions[0];
+    in.group = 1;
+    p.ranks[r].add(in);
+  }
+  const Report clean = simulate_program(sc, p);
+  // nic-0-0 down: rank 0 sends and receives through nic-0-1, which rank 1's ring uses too.
+  for (const char* spec : {"nic 0.0 down", "link nic-0-0 down"}) {
+    INFO(spec);
+    const Report down = simulate_program(sc, p, with({spec}));
+    CHECK(down.iteration_seconds == Approx(2 * clean.iteration_seconds).epsilon(0.02));
+    bool seen_rerouted = false;
+    for (const auto& l : down.extras.at("sim").at("links").at("busiest"))
+      if (l.at("name") == "nic-0-0_UP") CHECK(l.at("bytes").get<double>() == 0);
+      else if (l.at("name") == "nic-0-1_UP") seen_rerouted = true;
+    CHECK(seen_rerouted);
+  }
+  CHECK_THROWS_WITH(simulate_program(sc, p, with({"link leafup-0-0 down"})), Catch::Contains("cannot be rerouted"));
+  CHECK_THROWS_WITH(simulate_program(sc, p, with({"nic 0.0 down", "nic 0.1 down"})),
+                    Catch::Contains("every NIC of node 0 is down"));
+  const Scenario one_nic = cluster_scenario(2, 2, 1, 25e9);
+  CHECK_THROWS_WITH(simulate_program(one_nic, p, with({"nic 1.0 down"})), Catch::Contains("every NIC of node 1 is down"));
+}
