@@ -149,12 +149,4 @@ void check_what_ifs(const Scenario& sc, const std::vector<WhatIf>& what_ifs) {
   }
 }
 
-bool what_ifs_are_identity(const std::vector<WhatIf>& what_ifs) {
-  for (const WhatIf& w : what_ifs) {
-    const bool identity = w.kind == WhatIf::Kind::Noise || w.kind == WhatIf::Kind::Background ? w.factor == 0 : w.factor == 1;
-    if (!identity) return false;
-  }
-  return true;
-}
-
 }  // namespace dssim

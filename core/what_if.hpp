@@ -4,7 +4,8 @@
 //   slow-gpu RANKS xF        RANKS: 17 | 3,17 | 16-23 (combinations: 0,16-23); kernels take 1/F as long
 //   link NAME xF             a link as the report names it (nic-3-1, leafup-0-2, nvlink-17, pcie-5,
 //                            hostmem-2, podup-0), both directions; bandwidth x F
-//   nic NODE.I xF            NIC I of node NODE; bandwidth x F
+//   link nic-N-J down        (WhatIf::factor 0) the NIC's GPUs reroute through the node's next NIC
+//   nic NODE.I xF | down     NIC I of node NODE; bandwidth x F, or down as above
 //   node N down-links xF     every NIC of node N; bandwidth x F
 //   noise P%                 every compute instruction's time drawn around its mean, CV P %
 //   background-traffic F     a fraction F of every inter-node link (NICs, leaf and pod uplinks) taken
@@ -23,7 +24,5 @@ WhatIf parse_what_if(const std::string& spec);
 const char* what_if_grammar();
 // Ranks, nodes and NICs within the scenario's cluster; throws ConfigError naming the spec.
 void check_what_ifs(const Scenario& sc, const std::vector<WhatIf>& what_ifs);
-// True when the what-ifs change nothing at all (none, or only factors of exactly 1 / noise 0).
-bool what_ifs_are_identity(const std::vector<WhatIf>& what_ifs);
 
 }  // namespace dssim
