@@ -1,4 +1,5 @@
 #include "core/plan.hpp"
+#include "core/reliability.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -620,8 +621,14 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
     e.mfu = r.mfu;
     e.time_to_train_seconds = c.scenario.training.tokens_to_train > 0 ? r.time_to_train_seconds
                                                                       : (r.tokens_per_second > 0 ? 1e9 / r.tokens_per_second : 0);
+    if (c.scenario.reliability.declared && e.iteration_seconds > 0) {
+      e.goodput = goodput_report(c.scenario, e.iteration_seconds, /*monte_carlo=*/false).goodput;
+      e.time_to_train_seconds /= e.goodput;
+    }
     e.gpu_hours = sp.gpus * e.time_to_train_seconds / 3600;
-    e.objective = objective_of(o.objective, r.tokens_per_second, sp.gpus);
+    // Throughput ranks by tokens/s of an iteration; cost and time to train by what the run delivers.
+    e.objective = objective_of(o.objective, r.tokens_per_second * (o.objective == PlanObjective::throughput ? 1 : e.goodput),
+                               sp.gpus);
     res.ranked.push_back(std::move(e));
     if (!pr.best || res.ranked.back().objective < pr.best->objective ||
         (res.ranked.back().objective == pr.best->objective && res.ranked.back().point.key() < pr.best->point.key()))
@@ -795,6 +802,7 @@ nlohmann::json plan_entry_json(const PlanEntry& e, size_t rank, const PlanEntry&
           {"mfu", e.mfu},
           {"time_to_train_seconds", e.time_to_train_seconds},
           {"gpu_hours", e.gpu_hours},
+          {"goodput", e.goodput},
           {"objective", e.objective},
           {"gap_to_best", best.objective > 0 ? e.objective / best.objective - 1 : 0},
           {"memory_bytes", {{"peak", e.memory.total()}, {"capacity", e.capacity}, {"host", e.memory.host}}},

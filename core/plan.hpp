@@ -124,6 +124,10 @@ struct PlanEntry {
   double iteration_seconds = 0, tokens_per_second = 0, mfu = 0;
   double time_to_train_seconds = 0;   // tokens_to_train, or 1e9 tokens when the scenario gives none
   double gpu_hours = 0;               // GPUs x time_to_train
+  // With a reliability: section (core/reliability.hpp): Daly's closed-form goodput at the optimal
+  // checkpoint interval; time_to_train and gpu_hours above include failures (divided by it), and
+  // so do the cost and time-to-train objectives. 1 without the section.
+  double goodput = 1;
   double objective = 0;               // lower is better
   TimeBreakdown time;
   MemoryBreakdown memory;

@@ -88,7 +88,7 @@ MonteCarloGoodput goodput_monte_carlo(double tau, double delta, double restart, 
   return mc;
 }
 
-GoodputReport goodput_report(const Scenario& sc, double iteration_seconds) {
+GoodputReport goodput_report(const Scenario& sc, double iteration_seconds, bool monte_carlo) {
   const ReliabilitySpec& rs = sc.reliability;
   GoodputReport g;
   g.gpus = sc.cluster.world();
@@ -126,6 +126,7 @@ GoodputReport goodput_report(const Scenario& sc, double iteration_seconds) {
   }
   g.time_to_train_seconds = g.useful_seconds / g.goodput;
   g.expected_failures = std::isfinite(M) ? g.time_to_train_seconds / M : 0;
+  if (!monte_carlo) return g;
   // The Monte-Carlo: jobs as long as the run (30 days of work when the scenario names no tokens).
   const double work = g.useful_seconds > 0 ? g.useful_seconds : 30 * 86400.0;
   const int64_t segments = std::max<int64_t>(1, std::llround(work / tau));

@@ -65,7 +65,7 @@ struct GoodputReport {
 // `iteration_seconds`: one clean iteration, from whichever backend predicted it. Throws
 // ConfigError for settings that cannot work (zero failure rate with interval auto is allowed: no
 // checkpoints are needed, goodput 1).
-GoodputReport goodput_report(const Scenario& sc, double iteration_seconds);
+GoodputReport goodput_report(const Scenario& sc, double iteration_seconds, bool monte_carlo = true);
 nlohmann::json goodput_json(const GoodputReport& g);
 
 }  // namespace dssim

@@ -2,8 +2,10 @@
 // the core test binary's build small: Daly's closed form against the Monte-Carlo replay of the
 // job's timeline (fixed seed; sample sizes below), Young / Daly optima, checkpoint size.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include "core/finetune.hpp"
+#include "core/plan.hpp"
 #include "core/reliability.hpp"
 #include "core/scenario_loader.hpp"
 
@@ -69,4 +71,31 @@ TEST_CASE("reliability report: checkpoint from the model, Llama 3's failure rate
   CHECK(g2.interval_iterations == std::llround(3600 / 26.6));
   CHECK(!g2.interval_auto);
   CHECK(g2.monte_carlo.goodput == Approx(g2.goodput).epsilon(0.02));
+}
+
+// Kept here with the goodput tests (core/plan uses them when the scenario has a reliability section).
+TEST_CASE("plan: with a reliability section, time to train and GPU-hours include failures", "[reliability]") {
+  Scenario sc = load_scenario(std::string(DSSIM_SCENARIOS_DIR) + "/gpt13b_zero2.yaml");
+  PlanOptions o;
+  o.vary = {PlanDim::micro_batch};
+  o.objective = PlanObjective::time_to_train;
+  const PlanResult clean = plan(sc, o);
+  sc.reliability.declared = true;
+  sc.reliability.failures_per_gpu_hour = 5e-3;  // a failure every ~3 h on 64 GPUs
+  const PlanResult failing = plan(sc, o);
+  REQUIRE(!clean.ranked.empty());
+  REQUIRE(failing.ranked.size() == clean.ranked.size());
+  for (const PlanEntry& c : clean.ranked) {
+    CHECK(c.goodput == 1.0);
+    const auto it = std::find_if(failing.ranked.begin(), failing.ranked.end(),
+                                 [&](const PlanEntry& f) { return f.point.key() == c.point.key(); });
+    REQUIRE(it != failing.ranked.end());
+    INFO(c.point.key());
+    CHECK(it->goodput > 0.5);
+    CHECK(it->goodput < 0.99);
+    CHECK(it->iteration_seconds == c.iteration_seconds);
+    CHECK(it->time_to_train_seconds == Approx(c.time_to_train_seconds / it->goodput).epsilon(1e-12));
+    CHECK(it->gpu_hours == Approx(c.gpu_hours / it->goodput).epsilon(1e-12));
+    CHECK(it->goodput == Approx(goodput_report(sc, it->iteration_seconds, false).goodput).epsilon(1e-12));
+  }
 }
