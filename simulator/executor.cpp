@@ -382,6 +382,7 @@ void Simulation::start(int v, uint32_t i, double ready) {
     // One allocation of the final size: a member list grown by doubling up to dp entries made
     // large requests that triggered glibc's malloc_consolidate (3 % of the CPU at 16k GPUs).
     if (rv.members.empty()) rv.members.reserve(materialized_[g]);
+    if (rv.readies.empty()) rv.readies.reserve(materialized_[g]);
     rv.arrived++;
     const double local = device_.collective_local_seconds(in) * repeat;
     rv.ready = std::max(rv.ready, ready + local);
