@@ -1,4 +1,5 @@
 // Collective and link-sharing laws of the simulated network, on hand-built Programs.
+#include "tests/sim/hand_built.hpp"
 #include <catch2/catch.hpp>
 #include "backends/sim/sim_backend.hpp"
 #include "simulator/collectives.hpp"
@@ -8,28 +9,7 @@ using namespace dssim;
 
 namespace {
 
-Scenario cluster_scenario(int nodes, int gpn, int nics, double nic_bw) {
-  Scenario sc;
-  sc.name = "hand-built";
-  sc.cluster.nodes = nodes;
-  sc.cluster.gpus_per_node = gpn;
-  sc.cluster.nics_per_node = nics;
-  sc.cluster.nic_bandwidth = nic_bw;
-  sc.cluster.nic_latency = 2e-6;
-  sc.cluster.switch_latency = 0.5e-6;
-  sc.cluster.gpu.peak_flops_16 = 312e12;
-  sc.cluster.gpu.peak_flops_32 = 19.5e12;
-  sc.cluster.gpu.hbm_bandwidth = 2e12;
-  sc.cluster.gpu.nvlink_bandwidth = 300e9;
-  sc.cluster.gpu.nvlink_latency = 1e-6;
-  sc.cluster.gpu.pcie_bandwidth = 25e9;
-  sc.cluster.gpu.pcie_latency = 2e-6;
-  sc.parallel.dp = nodes * gpn;
-  sc.training.micro_batch = 1;
-  sc.training.grad_accum = 1;
-  sc.training.global_batch = nodes * gpn;
-  return sc;
-}
+using simtest::cluster_scenario;
 
 // Every group runs one collective of `bytes` on the DP stream.
 Program collective_program(int world, const std::vector<std::vector<int>>& groups, Op op, double bytes) {

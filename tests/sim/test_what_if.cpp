@@ -4,6 +4,7 @@
 //  - halving one NIC of a bandwidth-bound ring all-reduce doubles the collective;
 //  - a what-if on a link no flow crosses changes nothing;
 //  - noise draws are seeded: the same seed gives the same iteration, bit for bit.
+#include "tests/sim/hand_built.hpp"
 #include <catch2/catch.hpp>
 #include "backends/sim/sim_backend.hpp"
 #include "core/collective_model.hpp"
@@ -28,28 +29,7 @@ Scenario dp_scenario() {
   return load_scenario_from_string(yaml, {}, "what-if-dp");
 }
 
-Scenario cluster_scenario(int nodes, int gpn, int nics, double nic_bw) {
-  Scenario sc;
-  sc.name = "hand-built";
-  sc.cluster.nodes = nodes;
-  sc.cluster.gpus_per_node = gpn;
-  sc.cluster.nics_per_node = nics;
-  sc.cluster.nic_bandwidth = nic_bw;
-  sc.cluster.nic_latency = 2e-6;
-  sc.cluster.switch_latency = 0.5e-6;
-  sc.cluster.gpu.peak_flops_16 = 312e12;
-  sc.cluster.gpu.peak_flops_32 = 19.5e12;
-  sc.cluster.gpu.hbm_bandwidth = 2e12;
-  sc.cluster.gpu.nvlink_bandwidth = 300e9;
-  sc.cluster.gpu.nvlink_latency = 1e-6;
-  sc.cluster.gpu.pcie_bandwidth = 25e9;
-  sc.cluster.gpu.pcie_latency = 2e-6;
-  sc.parallel.dp = nodes * gpn;
-  sc.training.micro_batch = 1;
-  sc.training.grad_accum = 1;
-  sc.training.global_batch = nodes * gpn;
-  return sc;
-}
+using simtest::cluster_scenario;
 
 // One all-reduce of `bytes` over `members` (the other ranks exist and do nothing).
 Program allreduce_program(int world, const std::vector<int>& members, double bytes) {
