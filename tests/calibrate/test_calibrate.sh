@@ -53,8 +53,10 @@ case "$CASE" in
     expect_rc 0
     cp out profiled.json
     a=$(iteration_seconds preset.json) b=$(iteration_seconds profiled.json)
-    # (the tiny model's preset time is kernel-launch bound; measured CPU kernels are not: they differ)
-    python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); sys.exit(0 if abs(b / a - 1) > 0.1 else 1)" "$a" "$b" \
+    # The profile's measured rates replace the preset's roofline: the estimate differs. By how much
+    # depends on how fast this machine ran the kernels while calibrating (a loaded CI box measured
+    # 0.2 %), so only "differs" is asserted: the same figure means the profile was not used.
+    python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); sys.exit(0 if b != a else 1)" "$a" "$b" \
       || fail "the profile did not change the estimate: preset $a s, profiled $b s"
     # A broken profile is a config error naming the file.
     echo "metadata: {gpu: x}" > broken.yaml

@@ -283,7 +283,10 @@ TEST_CASE("model.cross_entropy fused_linear trains as the unfused loss does (fp3
     REQUIRE(b.code == 0);
     require_bytes_match(b);
     CHECK(max_rel_diff(losses(a), losses(b)) <= 1e-6);
-    CHECK(norm_rel_diff(read_floats(da), read_floats(db)) <= 1e-6);
+    // The head's weight gradient is summed chunk by chunk (addmm per chunk), in another order than
+    // one GEMM over all tokens: fp32 rounding that 8 Adam steps carry to ~1e-6 (measured 1.03e-6);
+    // a wrong gradient (a missing 1/T, the one-hot not subtracted) moves them by > 1e-2.
+    CHECK(norm_rel_diff(read_floats(da), read_floats(db)) <= 1e-5);
   }
   Result tp = run("--json --steps 1 --nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set model.cross_entropy=fused_linear");
   CHECK(tp.code == 2);

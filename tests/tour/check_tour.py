@@ -33,6 +33,7 @@ TOKEN = re.compile(NUMBER)
 
 
 def shape(line: str) -> re.Pattern:
+    line = line.strip()  # (an escaped trailing blank would leave a lone backslash at the end)
     out, pos = [], 0
     for m in TOKEN.finditer(line):
         out.append(re.escape(line[pos:m.start()]))
