@@ -422,50 +422,47 @@ const std::vector<Field>& fields() {
       }
     });
     // failures and goodput (core/reliability.hpp)
-    add("reliability.failures_per_gpu_hour", [](Scenario& s, const Entry& e) {
+    // A reliability key also marks the section as declared (the report then shows goodput).
+    const auto add_reliability = [&add](const char* key, void (*set)(Scenario&, const Entry&)) {
+      add(key, [set](Scenario& s, const Entry& e) {
+        set(s, e);
+        s.reliability.declared = true;
+      });
+    };
+    add_reliability("reliability.failures_per_gpu_hour", [](Scenario& s, const Entry& e) {
       s.reliability.failures_per_gpu_hour = get_non_negative(e, D::None);
       s.reliability.failures_per_node_day = 0;
-      s.reliability.declared = true;
     });
-    add("reliability.failures_per_node_day", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.failures_per_node_day", [](Scenario& s, const Entry& e) {
       s.reliability.failures_per_node_day = get_positive(e, D::None);
-      s.reliability.declared = true;
     });
-    add("reliability.checkpoint_size", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.checkpoint_size", [](Scenario& s, const Entry& e) {
       s.reliability.checkpoint_bytes = get_positive(e, D::Bytes);
-      s.reliability.declared = true;
     });
-    add("reliability.write_bandwidth", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.write_bandwidth", [](Scenario& s, const Entry& e) {
       s.reliability.write_bandwidth = get_positive(e, D::Bandwidth);
-      s.reliability.declared = true;
     });
-    add("reliability.read_bandwidth", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.read_bandwidth", [](Scenario& s, const Entry& e) {
       s.reliability.read_bandwidth = get_positive(e, D::Bandwidth);
-      s.reliability.declared = true;
     });
-    add("reliability.restore_time", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.restore_time", [](Scenario& s, const Entry& e) {
       s.reliability.restore_seconds = get_positive(e, D::Time);
-      s.reliability.declared = true;
     });
-    add("reliability.restart_overhead", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.restart_overhead", [](Scenario& s, const Entry& e) {
       s.reliability.restart_seconds = get_non_negative(e, D::Time);
-      s.reliability.declared = true;
     });
-    add("reliability.checkpoint_interval", [](Scenario& s, const Entry& e) {
-      s.reliability.declared = true;
+    add_reliability("reliability.checkpoint_interval", [](Scenario& s, const Entry& e) {
       if (e.value.IsScalar() && e.value.Scalar() == "auto") { s.reliability.checkpoint_interval = 0; return; }
       const std::string v = scalar(e, "'auto' or a time such as '3600 s'");
       auto t = parse_quantity(v, D::Time);
       if (!t || *t <= 0) type_error(e, "'auto' (Young / Daly's optimum) or a positive time such as '3600 s'");
       s.reliability.checkpoint_interval = *t;
     });
-    add("reliability.samples", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.samples", [](Scenario& s, const Entry& e) {
       s.reliability.samples = get_int32(e, 1);
-      s.reliability.declared = true;
     });
-    add("reliability.seed", [](Scenario& s, const Entry& e) {
+    add_reliability("reliability.seed", [](Scenario& s, const Entry& e) {
       s.reliability.seed = static_cast<uint64_t>(get_int(e, 0));
-      s.reliability.declared = true;
     });
     return v;
   }();
