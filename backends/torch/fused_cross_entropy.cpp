@@ -18,6 +18,7 @@ std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, 
   // -log p_target: exact unless the target's probability underflows fp32 (a loss above 87.3 nats),
   // where it is clamped; the gradient is exact either way.
   auto loss = p.gather(1, idx).clamp_min(std::numeric_limits<float>::min()).log_().neg_().sum();
+  if (scale == 0) return {loss, at::Tensor()};  // the loss alone (no gradient wanted)
   p.scatter_add_(1, idx, at::full_like(idx, -1.0, p.options()));
   // (softmax - one-hot) * scale in fp32, then cast to the logits' dtype (CUDA's mul_out does not
   // cast into a narrower out tensor, so the scale is applied in place first).

@@ -20,7 +20,7 @@ at::Tensor fused_linear_cross_entropy(const at::Tensor& y, const at::Tensor& w, 
 
 // One chunk's elementwise core (what `dssim calibrate` times as `fused_cross_entropy`): from 16-bit
 // logits [c, V] and targets [c], the summed loss of the chunk (fp32 scalar) and the logits' gradient
-// (softmax - one-hot) * scale in the logits' dtype.
+// (softmax - one-hot) * scale in the logits' dtype (undefined when scale is 0: the loss alone).
 std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, const at::Tensor& targets, double scale);
 
 }  // namespace dssim::tb
