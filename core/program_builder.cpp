@@ -324,6 +324,34 @@ class Builder {
     return ts;
   }
 
+  // The word (and position) embedding's tensors, counted to `layer` (the chunk's first).
+  std::vector<Tensor> embedding_tensors(int layer) const {
+    const int64_t h = m_.hidden;
+    const bool tr = base_trains(m_, sc_.finetune, BasePart::embedding);
+    std::vector<Tensor> ts;
+    ts.push_back({int64_t(m_.vocab) * h / t_, layer, false, false, true, tr});  // wte
+    if (!m_.rotary) ts.push_back({int64_t(m_.seq_len) * h, layer, false, true, false, tr});  // wpe
+    return ts;
+  }
+
+  // The final norm, the output layer (untied, or the tied copy on a later stage: `tied_copy`) and
+  // an lm_head LoRA adapter, counted to `layer` (the chunk's last).
+  std::vector<Tensor> head_tensors(int layer, bool tied_copy) const {
+    const int64_t h = m_.hidden;
+    const FinetuneSpec& ft = sc_.finetune;
+    const bool norm_tr = base_trains(m_, ft, BasePart::norm);
+    std::vector<Tensor> ts;
+    ts.push_back({h, layer, false, true, false, norm_tr});  // final layer norm (gain, bias) / RMSNorm (gain)
+    if (!m_.rmsnorm) ts.push_back({h, layer, false, true, false, norm_tr});
+    if (!m_.tied_embeddings || tied_copy)  // output layer or the tied copy
+      ts.push_back({int64_t(m_.vocab) * h / t_, layer, false, false, m_.tied_embeddings, base_trains(m_, ft, BasePart::head)});
+    if (const double hp = head_adapter_params(m_, ft); hp > 0) {  // lm_head adapter: A [r, h], B [V, r]
+      ts.push_back({int64_t(ft.rank) * h, layer, false});
+      ts.push_back({int64_t(m_.vocab) * ft.rank, layer, false});
+    }
+    return ts;
+  }
+
   int op_list(Program& prog, const Segment& seg) {
     std::string key;
     key += seg.embedding ? 'E' : '-';
@@ -379,15 +407,13 @@ class Builder {
       // expert-data-parallel rank) for every reduced gradient of the segment, on the launching
       // thread during the backward (core/zero3_placement.hpp zero3_reduce_host_seconds).
       int64_t dense = 0, expert = 0;
-      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
-        for (const Tensor& x : layer_tensors(l))
+      const auto count = [&](const std::vector<Tensor>& ts) {
+        for (const Tensor& x : ts)
           if (x.trainable) ++(x.expert ? expert : dense);
-      const bool emb = base_trains(m_, ft, BasePart::embedding);
-      if (seg.embedding && emb) dense += m_.rotary ? 1 : 2;  // wte (+ wpe)
-      if (seg.head) {
-        if (base_trains(m_, ft, BasePart::norm)) dense += m_.rmsnorm ? 1 : 2;
-        if (!m_.tied_embeddings && base_trains(m_, ft, BasePart::head)) dense += 1;
-      }
+      };
+      if (seg.embedding) count(embedding_tensors(seg.layer_begin));
+      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l) count(layer_tensors(l));
+      if (seg.head) count(head_tensors(seg.layer_begin + seg.layer_count - 1, false));  // ZeRO-3: pp 1
       const double host = zero3_reduce_host_seconds(dense, sc_.parallel.dp, sc_.zero) +
                           zero3_reduce_host_seconds(expert, grid_.expert_dp(), sc_.zero);
       if (host > 0) {
@@ -444,29 +470,17 @@ class Builder {
       ch.layer_count = vs_layers_[ch.vs];
       ch.first = ch.vs == 0;
       ch.last = ch.vs == last_vs;
-      const int64_t h = m_.hidden;
-      const FinetuneSpec& ft = sc_.finetune;
       if (ch.first) {
-        const bool tr = base_trains(m_, ft, BasePart::embedding);
-        tensors.push_back({int64_t(m_.vocab) * h / t_, ch.layer_begin, false, false, true, tr});  // wte
-        if (!m_.rotary) tensors.push_back({int64_t(m_.seq_len) * h, ch.layer_begin, false, true, false, tr});  // wpe
+        auto et = embedding_tensors(ch.layer_begin);
+        tensors.insert(tensors.end(), et.begin(), et.end());
       }
       for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) {
         auto lt = layer_tensors(l);
         tensors.insert(tensors.end(), lt.begin(), lt.end());
       }
       if (ch.last) {
-        const int ll = ch.layer_begin + ch.layer_count - 1;
-        const bool norm_tr = base_trains(m_, ft, BasePart::norm);
-        tensors.push_back({h, ll, false, true, false, norm_tr});  // final layer norm (gain, bias) / RMSNorm (gain)
-        if (!m_.rmsnorm) tensors.push_back({h, ll, false, true, false, norm_tr});
-        if (!m_.tied_embeddings || (p_ > 1 && !ch.first))  // output layer or the tied copy
-          tensors.push_back({int64_t(m_.vocab) * h / t_, ll, false, false, m_.tied_embeddings,
-                             base_trains(m_, ft, BasePart::head)});
-        if (const double hp = head_adapter_params(m_, ft); hp > 0) {  // lm_head adapter: A [r, h], B [V, r]
-          tensors.push_back({int64_t(ft.rank) * h, ll, false});
-          tensors.push_back({int64_t(m_.vocab) * ft.rank, ll, false});
-        }
+        auto ht = head_tensors(ch.layer_begin + ch.layer_count - 1, p_ > 1 && !ch.first);
+        tensors.insert(tensors.end(), ht.begin(), ht.end());
       }
       plan.chunks.push_back(ch);
     }
