@@ -200,7 +200,8 @@ struct FinetuneSpec {
 // "op"): in each block, the outputs of SDPA and of every odd-numbered matmul (q, v, mlp gate /
 // GeLU's up, down: 1st, 3rd, 5th, 7th) are saved, the rest of the block (k, the attention output
 // projection, SwiGLU's up, norms, rotary, activations, residuals) is recomputed in backward
-// (core/model.hpp LayerOp::op_sac_recompute, core/memory.cpp).
+// (core/model.hpp LayerOp::op_sac_recompute, core/memory.cpp). With tp > 1 the recomputed TP
+// all-reduces are not repeated in the Program (full recompute's are).
 enum class Recompute { none, selective, full, selective_op };
 const char* to_string(Recompute);
 
