@@ -31,10 +31,52 @@ int32_t lookup(const std::vector<std::pair<int32_t, int32_t>>& map, int32_t key)
   return it->second;
 }
 
-struct Job {
-  const CommPlan* plan = nullptr;
-  int repeat = 1;
+// A plan as the executor runs it, built once per distinct transfer (collective: group, op, bytes;
+// send/recv: source, destination, bytes; copy: direction, rank, bytes, host time after) and reused
+// by every instruction that repeats it. `charges`: (link index, bytes) for each link of each flow's
+// route, in phase, flow and route order, so that charging a job adds exactly what walking its
+// flows' routes added, in the same order (bit-identical link bytes) without a route lookup.
+struct Planned {
+  CommPlan plan;
+  std::vector<std::pair<int, double>> charges;
+  uint64_t flows = 0;  // flows of one repetition
+};
+
+struct PlanKey {
+  int op; int a; int b; double bytes; double after;
+  bool operator==(const PlanKey& o) const {
+    return op == o.op && a == o.a && b == o.b && bytes == o.bytes && after == o.after;
+  }
+};
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    uint64_t b, c;
+    std::memcpy(&b, &k.bytes, sizeof b);
+    std::memcpy(&c, &k.after, sizeof c);
+    uint64_t h = b * 1000003u ^ c;
+    h = h * 31u + uint64_t(uint32_t(k.a));
+    h = h * 31u + uint64_t(uint32_t(k.b));
+    return std::hash<uint64_t>()(h * 31u + uint64_t(k.op));
+  }
+};
+
+// The ranks waiting for a collective (group, sequence number). Entries are pooled per group and
+// reused, member lists included: a collective's job refers to its entry until the job ends.
+struct Rendezvous {
+  int32_t group = -1;
+  uint32_t seq = 0;
+  int arrived = 0;
+  double ready = 0;
   std::vector<std::pair<int, uint32_t>> members;  // (virtual rank, instruction)
+  std::vector<double> readies;                    // each member's arrival
+};
+
+struct Job {
+  const Planned* plan = nullptr;
+  int repeat = 1;
+  int rendezvous = -1;                               // a collective's members; or
+  std::array<std::pair<int, uint32_t>, 2> pair{};    // a send/recv's two ranks, a copy's one
+  int npair = 0;
 };
 
 struct Timer {
@@ -43,13 +85,6 @@ struct Timer {
   int v;
   uint32_t i;
   bool operator>(const Timer& o) const { return t != o.t ? t > o.t : seq > o.seq; }
-};
-
-struct Rendezvous {
-  int arrived = 0;
-  double ready = 0;
-  std::vector<std::pair<int, uint32_t>> members;
-  std::vector<double> readies;  // each member's arrival
 };
 
 // Who arrives last at collectives.
@@ -69,17 +104,6 @@ struct TupleHash {
   size_t operator()(const std::tuple<int, int, int>& k) const {
     return std::hash<uint64_t>()((uint64_t(uint32_t(std::get<0>(k))) << 40) ^
                                  (uint64_t(uint32_t(std::get<1>(k))) << 20) ^ uint64_t(uint32_t(std::get<2>(k))));
-  }
-};
-
-struct PlanKey {
-  int group; Op op; double bytes;
-  bool operator==(const PlanKey& o) const { return group == o.group && op == o.op && bytes == o.bytes; }
-};
-struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const {
-    uint64_t b; std::memcpy(&b, &k.bytes, sizeof b);
-    return std::hash<uint64_t>()(b * 1000003u + uint64_t(k.group) * 31u + uint64_t(k.op));
   }
 };
 
@@ -105,10 +129,12 @@ class Simulation {
   void start(int v, uint32_t i, double ready);
   void finish(int v, uint32_t i, double t);
   void timer(int v, uint32_t i, double t) { timers_.push({t, timer_seq_++, v, i}); ++result_.timers; }
-  void dispatch(const CommPlan* plan, int repeat, std::vector<std::pair<int, uint32_t>> members);
+  void dispatch(const Planned& plan, int repeat, int rendezvous, std::initializer_list<std::pair<int, uint32_t>> pair);
   static sg4::ExecPtr start_flow(const Flow& f);
   void progress(bool last);
-  void account(const CommPlan& plan, int repeat);
+  const Planned& planned(const PlanKey& key, CommPlan (*make)(const Simulation&, const PlanKey&));
+  void account(const Planned& plan, int repeat);
+  int rendezvous(int32_t g, uint32_t seq);
   int vrank_of(int rank) const {
     return rank >= 0 && rank < static_cast<int>(vrank_of_rank_.size()) ? vrank_of_rank_[rank] : -1;
   }
@@ -135,10 +161,11 @@ class Simulation {
   std::vector<std::array<double, kStreams>> stream_free_;
   std::vector<std::vector<char>> done_, posted_;
   std::vector<int> materialized_;
-  std::unordered_map<uint64_t, Rendezvous> rendezvous_;
+  std::deque<Rendezvous> rendezvous_;             // stable references: jobs read their members
+  std::vector<std::vector<int>> open_rendezvous_;  // per group: entries collecting arrivals
+  std::vector<std::vector<int>> free_rendezvous_;  // per group: entries to reuse
   std::unordered_map<std::tuple<int, int, int>, P2PPost, TupleHash> p2p_;
-  std::unordered_map<PlanKey, std::unique_ptr<CommPlan>, PlanKeyHash> plan_cache_;
-  std::deque<std::unique_ptr<CommPlan>> owned_plans_;
+  std::unordered_map<PlanKey, std::unique_ptr<Planned>, PlanKeyHash> plans_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
   uint64_t timer_seq_ = 0;
 
@@ -171,18 +198,25 @@ class Simulation {
   // Link accounting.
   std::unordered_map<const sg4::Link*, int> link_index_;
   std::vector<double> link_bytes_;
-  std::unordered_map<RouteKey, std::vector<int>, RouteKeyHash> route_cache_;
+  std::unordered_map<RouteKey, std::vector<int>, RouteKeyHash> route_cache_;  // used when planning
+  std::vector<int> nvl_up_index_, nvl_down_index_;  // per virtual rank: its NVSwitch ports' links, or -1
   std::vector<Lateness> late_;
 };
 
-void Simulation::account(const CommPlan& plan, int repeat) {
-  for (const Phase& p : plan.phases)
-    for (const Flow& f : p.flows) {
+// The plan for `key`, made by `make` the first time, with its link charges.
+const Planned& Simulation::planned(const PlanKey& key, CommPlan (*make)(const Simulation&, const PlanKey&)) {
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return *it->second;
+  auto p = std::make_unique<Planned>();
+  p->plan = make(*this, key);
+  for (const Phase& ph : p->plan.phases) {
+    p->flows += ph.flows.size();
+    for (const Flow& f : ph.flows) {
       // Keyed by the hosts themselves: a NetPoint's id() is its rank inside its own zone, so ids
       // repeat across zones (every rail's leaf zone numbers its NICs alike).
-      const RouteKey key{f.src, f.dst};
-      auto it = route_cache_.find(key);
-      if (it == route_cache_.end()) {
+      const RouteKey rk{f.src, f.dst};
+      auto r = route_cache_.find(rk);
+      if (r == route_cache_.end()) {
         std::vector<sg4::Link*> links;
         double lat = 0;
         f.src->route_to(f.dst, links, &lat);
@@ -191,10 +225,43 @@ void Simulation::account(const CommPlan& plan, int repeat) {
           auto li = link_index_.find(l);
           if (li != link_index_.end()) idx.push_back(li->second);
         }
-        it = route_cache_.emplace(key, std::move(idx)).first;
+        r = route_cache_.emplace(rk, std::move(idx)).first;
       }
-      for (int li : it->second) link_bytes_[li] += f.bytes * repeat;
+      for (int li : r->second) p->charges.emplace_back(li, f.bytes);
     }
+  }
+  return *plans_.emplace(key, std::move(p)).first->second;
+}
+
+void Simulation::account(const Planned& plan, int repeat) {
+  for (const auto& [li, bytes] : plan.charges) link_bytes_[li] += bytes * repeat;
+}
+
+// The entry collecting arrivals at group g's collective number `seq`.
+int Simulation::rendezvous(int32_t g, uint32_t seq) {
+  std::vector<int>& open = open_rendezvous_[g];
+  for (int k : open)
+    if (rendezvous_[k].seq == seq) return k;
+  int k;
+  std::vector<int>& spare = free_rendezvous_[g];
+  if (!spare.empty()) { k = spare.back(); spare.pop_back(); }
+  else {
+    k = static_cast<int>(rendezvous_.size());
+    rendezvous_.emplace_back();
+    // One allocation of the final size: a member list grown by doubling up to dp entries made
+    // large requests that triggered glibc's malloc_consolidate (3 % of the CPU at 16k GPUs).
+    rendezvous_[k].members.reserve(materialized_[g]);
+    rendezvous_[k].readies.reserve(materialized_[g]);
+  }
+  Rendezvous& rv = rendezvous_[k];
+  rv.group = g;
+  rv.seq = seq;
+  rv.arrived = 0;
+  rv.ready = 0;
+  rv.members.clear();
+  rv.readies.clear();
+  open.push_back(k);
+  return k;
 }
 
 // A flow is a parallel execution on its two hosts with no flops and one byte count: the host
@@ -266,14 +333,20 @@ void Simulation::run_flows(const Phase& p, Waiter& me, std::vector<sg4::ExecPtr>
   for (size_t k = 1; k < slices; ++k) me.done->acquire();
 }
 
-void Simulation::dispatch(const CommPlan* plan, int repeat, std::vector<std::pair<int, uint32_t>> members) {
+void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
+                          std::initializer_list<std::pair<int, uint32_t>> pair) {
   int id;
   if (!free_jobs_.empty()) { id = free_jobs_.back(); free_jobs_.pop_back(); }
   else { id = static_cast<int>(jobs_.size()); jobs_.emplace_back(); }
-  jobs_[id] = Job{plan, repeat, std::move(members)};
-  account(*plan, repeat);
+  Job& job = jobs_[id];
+  job.plan = &plan;
+  job.repeat = repeat;
+  job.rendezvous = rendezvous;
+  job.npair = 0;
+  for (const auto& m : pair) job.pair[job.npair++] = m;
+  account(plan, repeat);
   ++result_.jobs;
-  for (const Phase& p : plan->phases) result_.flows += p.flows.size() * repeat;
+  result_.flows += plan.flows * repeat;
   ++active_jobs_;
   int w;
   if (!idle_waiters_.empty()) { w = idle_waiters_.back(); idle_waiters_.pop_back(); }
@@ -289,7 +362,7 @@ void Simulation::dispatch(const CommPlan* plan, int repeat, std::vector<std::pai
         me->sem->acquire();
         const Job& job = jobs_[me->job];
         for (int r = 0; r < job.repeat; ++r)
-          for (const Phase& p : job.plan->phases) {
+          for (const Phase& p : job.plan->plan.phases) {
             if (p.before_seconds > 0) sg4::this_actor::sleep_for(p.before_seconds);
             const double started = sg4::Engine::get_clock();
             run_flows(p, *me, flows);
@@ -377,57 +450,53 @@ void Simulation::start(int v, uint32_t i, double ready) {
   }
   if (is_collective(in.op)) {
     const int32_t g = lookup(vr.group_map, in.group);
-    const uint64_t key = (uint64_t(uint32_t(g)) << 32) | coll_seq_[vr.program_index][i];
-    Rendezvous& rv = rendezvous_[key];
-    // One allocation of the final size: a member list grown by doubling up to dp entries made
-    // large requests that triggered glibc's malloc_consolidate (3 % of the CPU at 16k GPUs).
-    if (rv.members.empty()) rv.members.reserve(materialized_[g]);
-    if (rv.readies.empty()) rv.readies.reserve(materialized_[g]);
+    const int r = rendezvous(g, coll_seq_[vr.program_index][i]);
+    Rendezvous& rv = rendezvous_[r];
     rv.arrived++;
     const double local = device_.collective_local_seconds(in) * repeat;
     rv.ready = std::max(rv.ready, ready + local);
     rv.members.emplace_back(v, i);
     rv.readies.push_back(ready + local);
     if (rv.arrived < materialized_[g]) return;
-    Rendezvous done = std::move(rv);
-    rendezvous_.erase(key);
-    if (done.members.size() > 1) {
+    std::vector<int>& open = open_rendezvous_[g];
+    open.erase(std::find(open.begin(), open.end(), r));
+    if (rv.members.size() > 1) {
       // The last to arrive, if strictly after every other member, held the others up.
       size_t last = 0;
       double second = -INFINITY;
-      for (size_t k = 1; k < done.readies.size(); ++k)
-        if (done.readies[k] > done.readies[last]) last = k;
-      for (size_t k = 0; k < done.readies.size(); ++k)
-        if (k != last) second = std::max(second, done.readies[k]);
-      for (auto& [mv, mi] : done.members) late_[mv].joined++;
-      if (done.readies[last] > second + 1e-12) {
-        Lateness& l = late_[done.members[last].first];
+      for (size_t k = 1; k < rv.readies.size(); ++k)
+        if (rv.readies[k] > rv.readies[last]) last = k;
+      for (size_t k = 0; k < rv.readies.size(); ++k)
+        if (k != last) second = std::max(second, rv.readies[k]);
+      for (auto& [mv, mi] : rv.members) late_[mv].joined++;
+      if (rv.readies[last] > second + 1e-12) {
+        Lateness& l = late_[rv.members[last].first];
         l.last++;
-        l.waited_for += done.readies[last] - second;
+        l.waited_for += rv.readies[last] - second;
         l.last_by_kind[int(program_.groups[g].kind)]++;
       }
     }
-    const std::vector<int>& ranks = program_.groups[g].ranks;
-    const CommPlan* plan;
-    const PlanKey pk{g, in.op, in.bytes};
-    auto it = plan_cache_.find(pk);
-    if (it == plan_cache_.end())
-      it = plan_cache_.emplace(pk, std::make_unique<CommPlan>(planner_->collective(in.op, in.bytes, ranks))).first;
-    plan = it->second.get();
-    for (auto& [mv, mi] : done.members) result_.spans[mv][mi].start = done.ready;
-    if (plan->closed_form) {
+    const Planned& plan = planned(PlanKey{int(in.op), g, -1, in.bytes, 0}, [](const Simulation& s, const PlanKey& k) {
+      const std::vector<int>& ranks = s.program_.groups[k.a].ranks;
+      return s.planner_->collective(Op(k.op), k.bytes, ranks);
+    });
+    for (auto& [mv, mi] : rv.members) result_.spans[mv][mi].start = rv.ready;
+    if (plan.plan.closed_form) {
+      const std::vector<int>& ranks = program_.groups[g].ranks;
       const double wire = wire_bytes_per_rank(in.op, in.bytes, static_cast<int>(ranks.size())) * repeat;
-      for (auto& [mv, mi] : done.members) {
-        const double local = device_.collective_local_seconds(inst(mv, mi)) * repeat;  // in done.ready
-        timer(mv, mi, done.ready + seconds_[vranks_[mv].program_index][mi] - local);
-        if (wire > 0 && planner_->is_closed_form(in.op, ranks) && ranks.size() > 1) {
-          link_bytes_[link_index_[platform_->nvlink_up(vranks_[mv].rank)]] += wire;
-          link_bytes_[link_index_[platform_->nvlink_down(vranks_[mv].rank)]] += wire;
+      const bool nvlink = wire > 0 && ranks.size() > 1 && planner_->is_closed_form(in.op, ranks);
+      for (auto& [mv, mi] : rv.members) {
+        const double local = device_.collective_local_seconds(inst(mv, mi)) * repeat;  // in rv.ready
+        timer(mv, mi, rv.ready + seconds_[vranks_[mv].program_index][mi] - local);
+        if (nvlink) {
+          if (nvl_up_index_[mv] >= 0) link_bytes_[nvl_up_index_[mv]] += wire;
+          if (nvl_down_index_[mv] >= 0) link_bytes_[nvl_down_index_[mv]] += wire;
         }
       }
+      free_rendezvous_[g].push_back(r);
       return;
     }
-    dispatch(plan, repeat, std::move(done.members));
+    dispatch(plan, repeat, r, {});
     return;
   }
   if (in.op == Op::Send || in.op == Op::Recv) {
@@ -444,15 +513,15 @@ void Simulation::start(int v, uint32_t i, double ready) {
     const double t0 = std::max(ready, other.ready);
     result_.spans[v][i].start = t0;
     result_.spans[other.v][other.i].start = t0;
-    owned_plans_.push_back(std::make_unique<CommPlan>(planner_->p2p(in.bytes, src, dst)));
-    const CommPlan* plan = owned_plans_.back().get();
-    if (plan->closed_form) {
+    const Planned& plan = planned(PlanKey{int(Op::Send), src, dst, in.bytes, 0}, [](const Simulation& s, const PlanKey& k) {
+      return s.planner_->p2p(k.bytes, k.a, k.b);
+    });
+    if (plan.plan.closed_form) {
       timer(v, i, t0 + secs);
       timer(other.v, other.i, t0 + seconds_[vranks_[other.v].program_index][other.i]);
-      owned_plans_.pop_back();
       return;
     }
-    dispatch(plan, repeat, {{other.v, other.i}, {v, i}});
+    dispatch(plan, repeat, -1, {{other.v, other.i}, {v, i}});
     return;
   }
   // PCIe copies. The device model's time may exceed the bus's (a CopyD2H of offloaded gradients
@@ -461,10 +530,11 @@ void Simulation::start(int v, uint32_t i, double ready) {
   const double bus = gpu.pcie_latency + (gpu.pcie_bandwidth > 0 ? in.bytes / gpu.pcie_bandwidth : 0.0);
   // (A CopyH2D's NVMe read precedes the bus in reality; its time is added after the flow alike.)
   const double host_after = in.memory_bytes > 0 ? std::max(0.0, secs - bus) : 0.0;
-  owned_plans_.push_back(std::make_unique<CommPlan>(planner_->copy(in.op, in.bytes, vr.rank, host_after)));
-  const CommPlan* plan = owned_plans_.back().get();
-  if (plan->closed_form) { timer(v, i, ready + secs); owned_plans_.pop_back(); return; }
-  dispatch(plan, repeat, {{v, i}});
+  const Planned& plan = planned(PlanKey{int(in.op), vr.rank, -1, in.bytes, host_after}, [](const Simulation& s, const PlanKey& k) {
+    return s.planner_->copy(Op(k.op), k.bytes, k.a, k.after);
+  });
+  if (plan.plan.closed_form) { timer(v, i, ready + secs); return; }
+  dispatch(plan, repeat, -1, {{v, i}});
 }
 
 void Simulation::controller() {
@@ -478,10 +548,16 @@ void Simulation::controller() {
         auto [id, t] = completed_.front();
         completed_.pop_front();
         --active_jobs_;
-        auto members = std::move(jobs_[id].members);
-        jobs_[id] = Job{};
+        // finish() may start new jobs (this id among them) and rendezvous, not this one's.
+        const Job job = jobs_[id];
         free_jobs_.push_back(id);
-        for (auto& [mv, mi] : members) finish(mv, mi, t);
+        if (job.rendezvous >= 0) {
+          const Rendezvous& rv = rendezvous_[job.rendezvous];
+          for (auto& [mv, mi] : rv.members) finish(mv, mi, t);
+          free_rendezvous_[rv.group].push_back(job.rendezvous);
+        } else {
+          for (int k = 0; k < job.npair; ++k) finish(job.pair[k].first, job.pair[k].second, t);
+        }
         any = true;
       }
       const double now = sg4::Engine::get_clock();
@@ -491,7 +567,6 @@ void Simulation::controller() {
         finish(tm.v, tm.i, tm.t);
         any = true;
       }
-      // Owned p2p/copy plans of finished jobs are kept until the end (cheap: one flow each).
     }
     if (timers_.empty() && active_jobs_ == 0) break;
     if (timers_.empty()) {
@@ -553,6 +628,14 @@ ExecResult Simulation::run() {
       CollectivePlanner{sc_.cluster, *platform_, opts_.detail, opts_.nvswitch_closed_form});
   for (size_t k = 0; k < platform_->links().size(); ++k) link_index_[platform_->links()[k].link] = static_cast<int>(k);
   link_bytes_.assign(platform_->links().size(), 0.0);
+  nvl_up_index_.assign(vranks_.size(), -1);
+  nvl_down_index_.assign(vranks_.size(), -1);
+  for (size_t v = 0; v < vranks_.size(); ++v) {
+    auto up = link_index_.find(platform_->nvlink_up(vranks_[v].rank));
+    auto down = link_index_.find(platform_->nvlink_down(vranks_[v].rank));
+    if (up != link_index_.end()) nvl_up_index_[v] = up->second;
+    if (down != link_index_.end()) nvl_down_index_[v] = down->second;
+  }
   result_.platform_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
 
@@ -576,6 +659,8 @@ ExecResult Simulation::run() {
   result_.spans.resize(nv);
   late_.assign(nv, Lateness{});
   materialized_.assign(program_.groups.size(), 0);
+  open_rendezvous_.assign(program_.groups.size(), {});
+  free_rendezvous_.assign(program_.groups.size(), {});
   for (size_t v = 0; v < nv; ++v) {
     const auto& rp = program_.ranks.at(vranks_[v].program_index);
     done_[v].assign(rp.instructions.size(), 0);

@@ -124,3 +124,36 @@ TEST_CASE("link bytes: multi-node ZeRO-3 data parallelism puts each rail's ring 
     check_nic_bytes(zero3_scenario("{preset: gpt-1.3b, seq_len: 1024}", 1, 16, 8, 2));
   }
 }
+
+// Send/recv plans are built once per (source, destination, bytes) and reused by every micro-batch:
+// each reuse still charges its bytes. Two pipeline stages on two one-GPU nodes, m micro-batches:
+// stage 0's NIC sends every activation, stage 1's every activation gradient, so each NIC's up link
+// carries the sum of its rank's Send instructions (x repeat), m of them each (embeddings untied:
+// no embedding all-reduce between the stages).
+TEST_CASE("link bytes: every pipeline send is charged to its NIC, micro-batch after micro-batch", "[links]") {
+  const int m = 6;
+  const std::string yaml =
+      "name: sim-links-pp\n"
+      "model: {preset: gpt-350m, layers: 4, tied_embeddings: false}\n"
+      "training: {global_batch: " + std::to_string(m) + ", micro_batch: 1}\n"
+      "parallel: {tp: 1, pp: 2, dp: 1}\n"
+      "precision: fp16\n"
+      "cluster: {preset: dgx-a100-hdr, gpus_per_node: 1, nics_per_node: 1, nodes: 2}\n";
+  const Scenario sc = load_scenario_from_string(yaml, {}, "sim-links-pp");
+  const Program full = build_program(sc);
+  const Links l = links_of(sc, false);
+  for (int rank = 0; rank < 2; ++rank) {
+    double sent = 0;
+    int sends = 0;
+    for (const RankProgram& rp : full.ranks) {
+      if (rp.rank != rank) continue;
+      for (const Instruction& in : rp.instructions)
+        if (in.op == Op::Send && in.bytes > 0) { sent += std::max(1, in.repeat) * in.bytes; ++sends; }
+    }
+    const std::string name = "nic-" + std::to_string(rank) + "-0_UP";
+    INFO(name);
+    CHECK(sends == m);
+    REQUIRE(l.bytes.count(name));
+    CHECK(l.bytes.at(name) == Approx(sent).epsilon(1e-12));
+  }
+}
