@@ -732,21 +732,74 @@ ExecResult Simulation::run() {
 
 // --- Running in a child process -------------------------------------------------------------
 
-void write_all(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t k = ::write(fd, p, n);
-    if (k <= 0) _exit(3);
-    p += k;
-    n -= static_cast<size_t>(k);
+// The child's result goes through the pipe as it is written: small fields through a buffer, each
+// rank's spans straight from their vector (at 131,072 GPUs they are hundreds of MB; building one
+// string of them first doubled the child's peak memory and copied every byte twice more).
+class PipeWriter {
+ public:
+  explicit PipeWriter(int fd) : fd_(fd) {}
+  ~PipeWriter() { flush(); }
+  void write(const void* data, size_t n) {
+    if (buf_.size() + n <= kBuffer) {
+      buf_.append(static_cast<const char*>(data), n);
+      return;
+    }
+    flush();
+    if (n < kBuffer) buf_.append(static_cast<const char*>(data), n);
+    else write_all(data, n);
   }
-}
+  template <class T> void put(const T& v) { write(&v, sizeof v); }
+  void flush() {
+    write_all(buf_.data(), buf_.size());
+    buf_.clear();
+  }
 
-template <class T> void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
-template <class T> T get(const std::string& in, size_t& pos) {
-  if (pos + sizeof(T) > in.size()) throw std::runtime_error("simulator: truncated result from the child");
-  T v; std::memcpy(&v, in.data() + pos, sizeof v); pos += sizeof v; return v;
-}
+ private:
+  static constexpr size_t kBuffer = 1 << 16;
+  void write_all(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t k = ::write(fd_, p, n);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) _exit(3);
+      p += k;
+      n -= static_cast<size_t>(k);
+    }
+  }
+  int fd_;
+  std::string buf_;
+};
+
+// The parent's side: reads each field into its place; throws on a short result.
+class PipeReader {
+ public:
+  explicit PipeReader(int fd) : fd_(fd) {}
+  // Up to n bytes; fewer only at the end of the stream.
+  size_t read_some(void* data, size_t n) {
+    char* p = static_cast<char*>(data);
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t k = ::read(fd_, p + got, n - got);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) break;
+      got += static_cast<size_t>(k);
+    }
+    return got;
+  }
+  void read(void* data, size_t n) {
+    if (read_some(data, n) != n) throw std::runtime_error("simulator: truncated result from the child");
+  }
+  template <class T> T get() { T v; read(&v, sizeof v); return v; }
+  std::string rest() {
+    std::string out;
+    char buf[4096];
+    for (size_t k; (k = read_some(buf, sizeof buf)) > 0;) out.append(buf, k);
+    return out;
+  }
+
+ private:
+  int fd_;
+};
 
 }  // namespace
 
@@ -776,7 +829,7 @@ ExecResult execute(const Scenario& sc, const Program& program, const std::vector
   if (pid < 0) throw std::runtime_error("simulator: fork() failed");
   if (pid == 0) {
     ::close(fds[0]);
-    std::string out;
+    PipeWriter out(fds[1]);
     try {
       ExecResult r = Simulation(sc, program, vranks, seconds, opts).run();
       struct rusage ru{};
@@ -785,52 +838,61 @@ ExecResult execute(const Scenario& sc, const Program& program, const std::vector
                              {"jobs", r.jobs}, {"engine_wall_seconds", r.engine_wall_seconds},
                              {"platform_seconds", r.platform_seconds}, {"rss_kb", long(ru.ru_maxrss)},
                              {"links", r.links}, {"link_classes", r.link_classes}, {"late", r.late}};
-      put<char>(out, 'O');
-      put<double>(out, r.makespan);
-      put<uint64_t>(out, r.spans.size());
-      for (auto& s : r.spans) {
-        put<uint64_t>(out, s.size());
-        out.append(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(Span));
-      }
       const std::string m = meta.dump();
-      put<uint64_t>(out, m.size());
-      out += m;
+      out.put<char>('O');
+      out.put<double>(r.makespan);
+      out.put<uint64_t>(m.size());
+      out.write(m.data(), m.size());
+      out.put<uint64_t>(r.spans.size());
+      for (auto& s : r.spans) {
+        out.put<uint64_t>(s.size());
+        out.write(s.data(), s.size() * sizeof(Span));
+      }
     } catch (const std::exception& e) {
-      out.clear();
-      put<char>(out, 'E');
-      out += e.what();
+      out.put<char>('E');
+      out.write(e.what(), std::strlen(e.what()));
     }
-    write_all(fds[1], out.data(), out.size());
+    out.flush();
     ::close(fds[1]);
     _exit(0);
   }
   ::close(fds[1]);
-  std::string in;
-  char buf[1 << 16];
-  for (;;) {
-    const ssize_t k = ::read(fds[0], buf, sizeof buf);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) break;
-    in.append(buf, static_cast<size_t>(k));
+  // Read the result into place, then reap the child whatever happened (closing the pipe first, so
+  // that a child still writing gets EPIPE instead of blocking).
+  ExecResult r;
+  nlohmann::json meta;
+  std::string error, read_error;
+  char tag = 0;
+  try {
+    PipeReader in(fds[0]);
+    if (in.read_some(&tag, 1) != 1) throw std::runtime_error("simulator: no result from the child");
+    if (tag == 'E') {
+      error = in.rest();
+    } else {
+      r.makespan = in.get<double>();
+      std::string m(in.get<uint64_t>(), '\0');
+      in.read(m.data(), m.size());
+      meta = nlohmann::json::parse(m);
+      const uint64_t n = in.get<uint64_t>();
+      if (n > vranks.size()) throw std::runtime_error("simulator: malformed result from the child");
+      r.spans.resize(n);
+      for (auto& s : r.spans) {
+        const uint64_t k = in.get<uint64_t>();
+        if (k > (uint64_t(1) << 40) / sizeof(Span)) throw std::runtime_error("simulator: malformed result from the child");
+        s.resize(k);
+        in.read(s.data(), k * sizeof(Span));
+      }
+    }
+  } catch (const std::exception& e) {
+    read_error = e.what();
   }
   ::close(fds[0]);
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-  if (in.empty() || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || tag == 0)
     throw std::runtime_error("simulator: the simulation process failed (status " + std::to_string(status) + ")");
-  if (in[0] == 'E') throw std::runtime_error(in.substr(1));
-  ExecResult r;
-  size_t pos = 1;
-  r.makespan = get<double>(in, pos);
-  r.spans.resize(get<uint64_t>(in, pos));
-  for (auto& s : r.spans) {
-    s.resize(get<uint64_t>(in, pos));
-    if (pos + s.size() * sizeof(Span) > in.size()) throw std::runtime_error("simulator: truncated result");
-    std::memcpy(s.data(), in.data() + pos, s.size() * sizeof(Span));
-    pos += s.size() * sizeof(Span);
-  }
-  const uint64_t mlen = get<uint64_t>(in, pos);
-  const nlohmann::json meta = nlohmann::json::parse(in.substr(pos, mlen));
+  if (!read_error.empty()) throw std::runtime_error(read_error);
+  if (tag == 'E') throw std::runtime_error(error);
   r.instructions = meta["instructions"];
   r.flows = meta["flows"];
   r.timers = meta["timers"];
