@@ -44,7 +44,7 @@ sim::ExecResult run(const Program& p) {
 
 }  // namespace
 
-TEST_CASE("executor: each rank's spans come back from the child; a deadlock comes back as its error") {
+TEST_CASE("executor: each rank's spans come back from the child, and a deadlock as its error") {
   const sim::ExecResult r = run(two_ranks(7, 7));
   REQUIRE(r.spans.size() == 2);
   REQUIRE(r.spans[0].size() == 2);
