@@ -24,6 +24,7 @@
 #include "core/finetune.hpp"
 #include "core/grid.hpp"
 #include "core/model.hpp"
+#include "core/pipeline_engine.hpp"
 
 namespace dssim {
 
@@ -260,7 +261,9 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // states and the reduction buffers follow it; frozen parameters keep only their compute copy.
   const double train = sp.trainable();
   const double train_shard = sp.trainable_dense / dp + sp.trainable_expert / expert_dp;
-  const double opt_elems = zstage >= 1 ? train_shard : train;  // optimizer states sharded by stage >= 1
+  // Optimizer states sharded by stage >= 1, and by DeepSpeed's BF16_Optimizer at stage 0 (its fp32
+  // master and moments are this rank's 1/dp partition: core/pipeline_engine.hpp).
+  const double opt_elems = zstage >= 1 || uses_bf16_optimizer(sc) ? train_shard : train;
   MemoryBreakdown mb;
 
   // Parameters [Z]: full copy for stages 0-2; stage 3 keeps its shard plus what is gathered.

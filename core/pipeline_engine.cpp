@@ -1,5 +1,6 @@
 #include "core/pipeline_engine.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 namespace dssim {
@@ -31,7 +32,34 @@ PipelineEngineModel pipeline_engine_model(const Scenario& sc) {
     m.reduce_after_schedule = true;
     m.batch_end_stream = Stream::Compute;
   }
+  m.bf16_optimizer = uses_bf16_optimizer(sc);
   return m;
+}
+
+bool uses_bf16_optimizer(const Scenario& sc) {
+  return sc.parallel.pipeline_engine == PipelineEngine::deepspeed && sc.parallel.pp > 1 &&
+         sc.precision.dtype == Dtype::bf16 && sc.zero.stage == 0 && !sc.zero.offload_optimizer &&
+         sc.optimizer.kind == OptimizerKind::adamw;
+}
+
+double bf16_optimizer_step_bytes(double numel, double partition, bool clipping) {
+  return numel * (4 + (clipping ? 8 : 0) + 4) + partition * (28 + 6);
+}
+
+int64_t bf16_partition_numel(int64_t numel, int dp) {
+  const int64_t unit = 2 * int64_t(std::max(1, dp));
+  return (numel + unit - 1) / unit * unit / std::max(1, dp);
+}
+
+std::vector<int64_t> bf16_allgather_pieces(int64_t numel, int dp, int64_t allgather_bucket_size) {
+  dp = std::max(1, dp);
+  const int64_t part = bf16_partition_numel(numel, dp);
+  const int64_t shards = allgather_bucket_size > 0 ? std::max<int64_t>(1, part * dp / allgather_bucket_size) : 1;
+  int64_t size = part / shards;
+  size -= size % 2;
+  std::vector<int64_t> out(shards, size);
+  out.back() = part - (shards - 1) * size;
+  return out;
 }
 
 std::string pipeline_engine_error(const Scenario& sc, const std::function<std::string(const std::string&)>& at) {

@@ -424,6 +424,27 @@ class Builder {
         ops.push_back(reduce_host);
       }
     }
+    if (engine_.bf16_optimizer) {
+      // DeepSpeed's BF16_Optimizer (core/pipeline_engine.hpp): the bf16 gradients start from None
+      // each micro-batch (no AccumulateGrad traffic), and update_hp_grads folds them into the fp32
+      // buffer after the backward: kBf16FoldBytesPerParam per trainable parameter of the segment
+      // (the last stage's tied embedding copy included).
+      std::erase_if(ops, [](const LayerOp& op) { return op.name == "grad_accumulate"; });
+      double params = 0;
+      const auto count = [&](const std::vector<Tensor>& ts) {
+        for (const Tensor& x : ts)
+          if (x.trainable) params += double(x.numel);
+      };
+      if (seg.embedding) count(embedding_tensors(seg.layer_begin));
+      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l) count(layer_tensors(l));
+      if (seg.head) count(head_tensors(seg.layer_begin + seg.layer_count - 1, p_ > 1));
+      LayerOp fold;
+      fold.name = "bf16_optimizer_gradient_fold";
+      fold.memory_bytes = kBf16FoldBytesPerParam * params;
+      fold.flops = params;
+      fold.backward_only = true;
+      ops.push_back(fold);
+    }
     const int id = int(prog.op_lists.size());
     cache_.fwd.push_back(sum_cost(ops));
     cache_.bwd.push_back(backward_cost(ops));
@@ -1283,7 +1304,8 @@ class Builder {
     if (x.emb_g >= 0) {  // DeepSpeed ReduceTiedGrads / Megatron's embedding group all-reduce
       Instruction in = make(Op::AllReduce, engine_.batch_end_stream, Purpose::EmbeddingSync);
       in.group = x.emb_g;
-      in.bytes = double(m_.vocab) * m_.hidden / t_ * g_;
+      // BF16_Optimizer: the tied weight's fp32 gradient (weight._hp_grad).
+      in.bytes = double(m_.vocab) * m_.hidden / t_ * (engine_.bf16_optimizer ? 4 : g_);
       emb = add(x, in, {x.last_compute});
     }
     // The reductions of the buckets holding the tied embedding, as the backward would have emitted
@@ -1339,6 +1361,34 @@ class Builder {
       Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
       up.bytes = shard * g_;
       updated = add(x, up, {step});
+    } else if (engine_.bf16_optimizer) {
+      // DeepSpeed's BF16_Optimizer (core/pipeline_engine.hpp): norm (and clip) over the whole fp32
+      // buffer, Adam on this rank's 1/dp partition, its copy to bf16, the buffer cleared; then the
+      // bf16 partitions all-gathered over DP, blocking, in allgather_bucket_size pieces.
+      double partition = 0;
+      struct Gathers { int group, n; std::vector<int64_t> pieces; };  // elements per rank per call
+      std::vector<Gathers> gathers;
+      for (int pass = 0; pass < 2; ++pass) {
+        const bool expert = pass == 1;
+        if (expert && !plan.has_expert) continue;
+        const int64_t numel = (expert ? plan.expert : plan.dense).numel;
+        const int n = expert ? x.edp_n : x.dp_n;
+        partition += double(bf16_partition_numel(numel, n));
+        const int grp = expert ? x.edp_g : x.dp_g;
+        if (grp >= 0) gathers.push_back({grp, n, bf16_allgather_pieces(numel, n, sc_.zero.allgather_bucket_size)});
+      }
+      Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
+      o.flops = partition * kAdamFlopsPerParam + shard;  // the norm: one multiply-add per element
+      o.memory_bytes = bf16_optimizer_step_bytes(shard, partition, sc_.training.gradient_clipping > 0);
+      updated = add(x, o, {x.last_reduce, emb});
+      for (const Gathers& ga : gathers)
+        for (size_t k = 0; k < ga.pieces.size(); ++k) {
+          Instruction in = make(Op::AllGather, engine_.batch_end_stream, Purpose::ParamGather);
+          in.group = ga.group;
+          in.bucket = int(k);
+          in.bytes = double(ga.pieces[k]) * ga.n * g_;
+          add(x, in, {updated});
+        }
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;

@@ -26,6 +26,7 @@
 #include "backends/torch/pipeline.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/grid.hpp"
+#include "core/pipeline_engine.hpp"
 #include "backends/torch/loss_scaler.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
 #include "backends/torch/torch_compat.hpp"
@@ -146,6 +147,13 @@ class Engine {
                                   "default), which is not implemented (the pipeline sends whole activations); set "
                                   "parallel.pipe_partitioned: false and parallel.grad_partitioned: false, or "
                                   "parallel.pipeline_engine: megatron");
+    // DeepSpeed's BF16_Optimizer (core/pipeline_engine.hpp) shards the fp32 master over DP at ZeRO-0
+    // and all-gathers the bf16 parameters after the step; this engine's optimizer does neither.
+    if (uses_bf16_optimizer(sc))
+      throw std::invalid_argument("torch backend: parallel.pipeline_engine deepspeed with precision bf16 at zero.stage 0 "
+                                  "is DeepSpeed's BF16_Optimizer (fp32 master partitioned over DP, bf16 parameters "
+                                  "all-gathered after the step), which is not implemented; set zero.stage: 1, "
+                                  "precision fp16 / fp32, or parallel.pipeline_engine: megatron");
     if (program.ranks.size() <= size_t(rank_) || program.ranks[rank_].rank != rank_)
       throw std::invalid_argument("torch backend: the Program has no instructions for rank " +
                                   std::to_string(rank_) + " (built representative-only?)");

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "core/estimator.hpp"
+#include "core/memory.hpp"
 #include "core/pipeline_engine.hpp"
 #include "core/program_builder.hpp"
 #include "core/scenario_loader.hpp"
@@ -197,4 +198,177 @@ TEST_CASE("pipeline engines: the deepspeed engine refuses Megatron's options, na
   CHECK(config_error([] {
           load_scenario_from_string(tiny_yaml("  tp: 2\n  pp: 1\n  scatter_gather: true\n"), {}, "t.yaml");
         }) == "<no error>");
+}
+
+// DeepSpeed's BF16_Optimizer (core/pipeline_engine.hpp) under the deepspeed engine, bf16, ZeRO-0.
+namespace {
+
+Scenario bf16_pipeline(PipelineEngine engine) {
+  Scenario sc = load_scenario("tiny/tiny_pp3");
+  sc.parallel.pp = 3;
+  sc.parallel.dp = 2;
+  sc.parallel.pipeline_engine = engine;
+  sc.cluster.gpus_per_node = 6;
+  sc.precision.dtype = Dtype::bf16;
+  sc.training.micro_batch = 1;
+  sc.training.grad_accum = 4;
+  sc.training.global_batch = 8;
+  return sc;
+}
+
+struct RankSummary {
+  double fold_bytes = 0;      // bf16_optimizer_gradient_fold bytes over the backwards of micro-batch 0
+  int folds = 0, accumulates = 0, backwards = 0;
+  int last_backward = -1, emb_sync = -1, first_reduce = -1, last_reduce = -1, step = -1, first_gather = -1;
+  double emb_bytes = 0, step_bytes = 0, step_flops = 0;
+  std::vector<double> gather_bytes;
+  bool all_on_compute = true;  // the batch-end instructions
+};
+
+RankSummary summarize(const Program& prog, const RankProgram& rp) {
+  RankSummary s;
+  for (size_t i = 0; i < rp.instructions.size(); ++i) {
+    const Instruction& in = rp.instructions[i];
+    const int k = int(i);
+    if (in.op == Op::Backward) {
+      ++s.backwards;
+      s.last_backward = k;
+      for (const LayerOp& op : prog.op_lists.at(in.ops)) {
+        if (op.name == "grad_accumulate") ++s.accumulates;
+        if (op.name != "bf16_optimizer_gradient_fold") continue;
+        ++s.folds;
+        CHECK(op.backward_only);
+        if (in.micro_batch == 0) s.fold_bytes += op.memory_bytes;
+      }
+    }
+    if (in.purpose == Purpose::EmbeddingSync) { s.emb_sync = k; s.emb_bytes = in.bytes; }
+    if (in.purpose == Purpose::GradientReduce) { if (s.first_reduce < 0) s.first_reduce = k; s.last_reduce = k; }
+    if (in.op == Op::OptimizerStep) { s.step = k; s.step_bytes = in.memory_bytes; s.step_flops = in.flops; }
+    if (in.op == Op::AllGather && in.purpose == Purpose::ParamGather) {
+      if (s.first_gather < 0) s.first_gather = k;
+      s.gather_bytes.push_back(in.bytes);
+    }
+    if ((in.purpose == Purpose::EmbeddingSync || in.purpose == Purpose::GradientReduce ||
+         in.purpose == Purpose::ParamGather || in.op == Op::OptimizerStep) && in.stream != Stream::Compute)
+      s.all_on_compute = false;
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("BF16_Optimizer: bf16 folds per micro-batch, fp32 tied sync, partitioned step, bf16 all-gathers",
+          "[pipeline_engine][bf16_optimizer]") {
+  Scenario sc = bf16_pipeline(PipelineEngine::deepspeed);
+  REQUIRE(uses_bf16_optimizer(sc));
+  const int dp = sc.parallel.dp, M = 4;
+  const double V = sc.model.vocab, h = sc.model.hidden;
+  for (double clip : {0.0, 1.0}) {
+    sc.training.gradient_clipping = clip;
+    const Program prog = build_program(sc, {});
+    REQUIRE(prog.ranks.size() == 6);
+    for (const RankProgram& rp : prog.ranks) {
+      const int stage = rp.rank / dp;  // ranks of a stage are contiguous (tp 1)
+      INFO("rank " << rp.rank << " stage " << stage << " clip " << clip);
+      const double N = stage_parameters(sc, stage).trainable();  // this GPU's parameters, tied copy included
+      const RankSummary s = summarize(prog, rp);
+      // update_hp_grads after every micro-batch's backward: 18 bytes per parameter, no AccumulateGrad
+      CHECK(s.fold_bytes == Approx(kBf16FoldBytesPerParam * N));
+      CHECK(s.folds == s.backwards);
+      CHECK(s.backwards == M);
+      CHECK(s.accumulates == 0);
+      // ReduceTiedGrads on the fp32 gradient of the tied weight (first and last stage)
+      if (stage == 0 || stage == 2) CHECK(s.emb_bytes == Approx(V * h * 4));
+      else CHECK(s.emb_sync < 0);
+      // the step: norm (+ clip) and clear over all N, Adam + copy to bf16 on the 1/dp partition
+      const double part = double(bf16_partition_numel(int64_t(N), dp));
+      CHECK(part == Approx(std::ceil(N / (2.0 * dp)) * 2));
+      CHECK(s.step_bytes == Approx(N * (4 + (clip > 0 ? 8 : 0) + 4) + part * (28 + 6)));
+      CHECK(s.step_flops == Approx(16 * part + N));
+      // bf16 partitions all-gathered over DP: one call (N < 5e8), output part x dp x 2 bytes
+      REQUIRE(s.gather_bytes.size() == 1);
+      CHECK(s.gather_bytes[0] == Approx(part * dp * 2));
+      // order: backward, [tied sync], DP reduction, step, all-gathers; blocking on the compute stream
+      CHECK(s.all_on_compute);
+      CHECK(s.first_reduce > s.last_backward);
+      if (s.emb_sync >= 0) CHECK(s.emb_sync < s.first_reduce);
+      CHECK(s.step > s.last_reduce);
+      CHECK(s.first_gather > s.step);
+    }
+  }
+  // allgather_bucket_size splits the gather as all_gather_dp_groups does
+  sc.zero.allgather_bucket_size = 5000;
+  const Program prog = build_program(sc, {});
+  for (const RankProgram& rp : prog.ranks) {
+    const int stage = rp.rank / dp;
+    const int64_t N = int64_t(stage_parameters(sc, stage).trainable());
+    const std::vector<int64_t> pieces = bf16_allgather_pieces(N, dp, 5000);
+    const RankSummary s = summarize(prog, rp);
+    REQUIRE(s.gather_bytes.size() == pieces.size());
+    CHECK(pieces.size() == size_t(std::max<int64_t>(1, bf16_partition_numel(N, dp) * dp / 5000)));
+    CHECK(pieces.size() > 1);
+    double sum = 0;
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      CHECK(s.gather_bytes[k] == Approx(double(pieces[k]) * dp * 2));
+      sum += s.gather_bytes[k];
+    }
+    CHECK(sum == Approx(double(bf16_partition_numel(N, dp)) * dp * 2));
+  }
+}
+
+TEST_CASE("BF16_Optimizer: all_gather_dp_groups pieces and the padded partition", "[pipeline_engine][bf16_optimizer]") {
+  // 1000 elements over 4 ranks: partition 250; 250 x 4 / 300 = 3 calls of 83 aligned to 82, the last 86
+  CHECK(bf16_allgather_pieces(1000, 4, 300) == std::vector<int64_t>{82, 82, 86});
+  CHECK(bf16_allgather_pieces(1000, 4, 0) == std::vector<int64_t>{250});
+  CHECK(bf16_allgather_pieces(1000, 4, 500000000) == std::vector<int64_t>{250});
+  // padded to a multiple of 2 dp: 1001 -> 1008
+  CHECK(bf16_partition_numel(1001, 4) == 252);
+  CHECK(bf16_partition_numel(1001, 1) == 1002);
+  CHECK(bf16_optimizer_step_bytes(100, 25, false) == Approx(100 * 8 + 25 * 34));
+  CHECK(bf16_optimizer_step_bytes(100, 25, true) == Approx(100 * 16 + 25 * 34));
+}
+
+TEST_CASE("BF16_Optimizer: optimizer states sharded over DP at ZeRO-0, the fp32 buffer whole", "[pipeline_engine][bf16_optimizer]") {
+  const Scenario ds = bf16_pipeline(PipelineEngine::deepspeed);
+  const Scenario mg = bf16_pipeline(PipelineEngine::megatron);
+  for (int stage = 0; stage < 3; ++stage) {
+    INFO("stage " << stage);
+    const double N = stage_parameters(ds, stage).trainable();
+    const MemoryBreakdown a = stage_memory(ds, stage), b = stage_memory(mg, stage);
+    CHECK(a.optimizer == Approx(12 * N / 2));  // fp32 master, momentum, variance of 1/dp
+    CHECK(b.optimizer == Approx(12 * N));
+    CHECK(a.grads == Approx((2 + 4) * N));     // bf16 gradients and the whole fp32 buffer
+    CHECK(a.grads == Approx(b.grads));
+    CHECK(b.total() - a.total() == Approx(12 * N * (1 - 1.0 / 2)));
+  }
+}
+
+TEST_CASE("BF16_Optimizer: only for the deepspeed engine with bf16 at ZeRO-0 and pp > 1", "[pipeline_engine][bf16_optimizer]") {
+  const auto check_absent = [](const Scenario& sc) {
+    CHECK_FALSE(uses_bf16_optimizer(sc));
+    const Program prog = build_program(sc, {});
+    for (const RankProgram& rp : prog.ranks) {
+      const RankSummary s = summarize(prog, rp);
+      CHECK(s.folds == 0);
+      CHECK(s.accumulates > 0);
+      if (s.emb_sync >= 0) CHECK(s.emb_bytes == Approx(double(sc.model.vocab) * sc.model.hidden * bytes_of(sc.precision.dtype)));
+      if (sc.zero.stage == 0) CHECK(s.gather_bytes.empty());
+    }
+  };
+  {
+    INFO("megatron engine");
+    check_absent(bf16_pipeline(PipelineEngine::megatron));
+  }
+  {
+    INFO("fp16");
+    Scenario sc = bf16_pipeline(PipelineEngine::deepspeed);
+    sc.precision.dtype = Dtype::fp16;
+    check_absent(sc);
+  }
+  {
+    INFO("ZeRO-1 keeps DeepSpeed's ZeRO optimizer model");
+    Scenario sc = bf16_pipeline(PipelineEngine::deepspeed);
+    sc.zero.stage = 1;
+    check_absent(sc);
+  }
 }
