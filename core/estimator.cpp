@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -14,6 +15,11 @@
 namespace dssim {
 
 std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program) {
+  return instruction_seconds(sc, program, nullptr);
+}
+
+std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program,
+                                                     std::vector<double>* chain_member_seconds) {
   const DeviceModel device(sc);
   // Seconds per (kernel list, phase): forward, backward, recompute.
   std::vector<std::array<double, 3>> op_list_seconds(program.op_lists.size(), {-1.0, -1.0, -1.0});
@@ -30,41 +36,61 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
   std::unordered_map<Key, double, KeyHash> collective_cache;
   struct { int from = -1, to = -1; double bytes = -1, seconds = 0; } last_p2p;  // a stage's p2p repeat
 
+  // One repetition's seconds times `repeat`, of an instruction of `me`.
+  auto price = [&](const Instruction& in, int me) {
+    double t = 0;
+    if (in.op == Op::HostOptimizerStep) {
+      t = device.host_seconds(in);
+    } else if (is_compute(in.op)) {
+      if (in.ops >= 0) {
+        const int phase = in.op == Op::Backward ? 1 : in.op == Op::Recompute ? 2 : 0;
+        double& cached = op_list_seconds.at(in.ops)[phase];
+        if (cached < 0) cached = device.compute_seconds(program, in);
+        t = cached;
+      } else {
+        t = device.compute_seconds(program, in);
+      }
+    } else if (is_collective(in.op)) {
+      const Key key{in.group, in.op, in.bytes};
+      auto it = collective_cache.find(key);
+      if (it == collective_cache.end())
+        it = collective_cache.emplace(key, collective_seconds(sc.cluster, in.op, in.bytes,
+                                                              program.groups.at(in.group).ranks)).first;
+      t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
+    } else if (in.op == Op::Send || in.op == Op::Recv) {
+      const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
+      if (from != last_p2p.from || to != last_p2p.to || in.bytes != last_p2p.bytes)
+        last_p2p = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
+      t = last_p2p.seconds;
+    } else {
+      t = device.copy_seconds(in);
+    }
+    return t * std::max(1, in.repeat);
+  };
+
+  if (chain_member_seconds) chain_member_seconds->assign(program.chain_members.size(), 0.0);
+  else if (!program.chains.empty())
+    throw std::logic_error("instruction_seconds: a Program with collapsed chains needs their members' seconds");
+  std::vector<double> chain_seconds(program.chains.size(), -1.0);
   std::vector<std::vector<double>> out(program.ranks.size());
   for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
     const RankProgram& rp = program.ranks[ri];
     out[ri].resize(rp.instructions.size());
     for (size_t i = 0; i < rp.instructions.size(); ++i) {
       const Instruction& in = rp.instructions[i];
-      double t = 0;
-      if (in.op == Op::HostOptimizerStep) {
-        t = device.host_seconds(in);
-      } else if (is_compute(in.op)) {
-        if (in.ops >= 0) {
-          const int phase = in.op == Op::Backward ? 1 : in.op == Op::Recompute ? 2 : 0;
-          double& cached = op_list_seconds.at(in.ops)[phase];
-          if (cached < 0) cached = device.compute_seconds(program, in);
-          t = cached;
-        } else {
-          t = device.compute_seconds(program, in);
-        }
-      } else if (is_collective(in.op)) {
-        const Key key{in.group, in.op, in.bytes};
-        auto it = collective_cache.find(key);
-        if (it == collective_cache.end())
-          it = collective_cache.emplace(key, collective_seconds(sc.cluster, in.op, in.bytes,
-                                                                program.groups.at(in.group).ranks)).first;
-        t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
-      } else if (in.op == Op::Send || in.op == Op::Recv) {
-        const int me = rp.rank;
-        const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
-        if (from != last_p2p.from || to != last_p2p.to || in.bytes != last_p2p.bytes)
-          last_p2p = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
-        t = last_p2p.seconds;
-      } else {
-        t = device.copy_seconds(in);
+      if (in.chain < 0) {
+        out[ri][i] = price(in, rp.rank);
+        continue;
       }
-      out[ri][i] = t * std::max(1, in.repeat);
+      // A collapsed chain: its members back to back (priced once per distinct chain).
+      double& t = chain_seconds[in.chain];
+      if (t < 0) {
+        const Chain& c = program.chains[in.chain];
+        t = 0;
+        for (uint32_t k = c.begin; k < c.begin + c.count; ++k)
+          t += (*chain_member_seconds)[k] = price(program.chain_members[k], rp.rank);
+      }
+      out[ri][i] = t;
     }
   }
   return out;
@@ -137,6 +163,8 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   std::vector<std::vector<char>> done(nr), posted(nr);
   std::vector<uint32_t> seq_by_group(ng);
   size_t remaining = 0;
+  int64_t min_tag = INT32_MAX, max_tag = INT32_MIN;  // over the sends and receives
+  size_t p2p_count = 0;
   for (size_t ri = 0; ri < nr; ++ri) {
     const auto& ins = program.ranks[ri].instructions;
     tl.spans[ri].resize(ins.size());
@@ -158,6 +186,9 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
         e.send = in.op == Op::Send;
         e.a = in.peer;
         e.b = static_cast<uint32_t>(in.tag);
+        min_tag = std::min<int64_t>(min_tag, in.tag);
+        max_tag = std::max<int64_t>(max_tag, in.tag);
+        ++p2p_count;
       }
       streams[ri][static_cast<int>(in.stream)].push_back(e);
     }
@@ -167,7 +198,48 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   }
 
   std::vector<std::vector<Rendezvous>> collectives(ng);  // [group][sequence]
+  // Posted sends / receives waiting for their partner, found by tag: per tag a short list (one
+  // entry in a representative Program, one per replica in a whole one) in an array indexed by
+  // the tag, or a hash map when the tags are too sparse for one.
+  const bool by_tag = p2p_count > 0 && max_tag >= min_tag && uint64_t(max_tag - min_tag) <= 4 * uint64_t(p2p_count) + 1024;
+  struct PostedNode { P2PKey key; P2PPosted posted; int32_t next; };
+  std::vector<int32_t> posted_head(by_tag ? size_t(max_tag - min_tag) + 1 : 0, -1);
+  std::vector<PostedNode> posted_nodes;
+  int32_t free_node = -1;
   std::unordered_map<P2PKey, P2PPosted, P2PKeyHash> p2p;
+  // The partner posted first (removed), or false after posting this one.
+  auto match = [&](const P2PKey& key, const P2PPosted& mine, P2PPosted& first) {
+    if (!by_tag) {
+      auto it = p2p.find(key);
+      if (it == p2p.end()) {
+        p2p.emplace(key, mine);
+        return false;
+      }
+      first = it->second;
+      p2p.erase(it);
+      return true;
+    }
+    int32_t* link = &posted_head[size_t(key.tag - min_tag)];
+    for (int32_t n = *link; n >= 0; link = &posted_nodes[n].next, n = *link)
+      if (posted_nodes[n].key == key) {
+        first = posted_nodes[n].posted;
+        *link = posted_nodes[n].next;
+        posted_nodes[n].next = free_node;
+        free_node = n;
+        return true;
+      }
+    int32_t n = free_node;
+    if (n >= 0) {
+      free_node = posted_nodes[n].next;
+      posted_nodes[n] = {key, mine, -1};
+    } else {
+      n = static_cast<int32_t>(posted_nodes.size());
+      posted_nodes.push_back({key, mine, -1});
+    }
+    posted_nodes[n].next = posted_head[size_t(key.tag - min_tag)];
+    posted_head[size_t(key.tag - min_tag)] = n;
+    return false;
+  };
 
   // Streams to run, each as far as it can go; a stream that stops waits for one instruction (a
   // dependency on another stream of its rank, its rendezvous, its send/recv partner) and is queued
@@ -256,13 +328,8 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
         if (posted[ri][i]) break;
         posted[ri][i] = 1;
         const P2PKey key{src, dst, static_cast<int>(en.b)};
-        auto it = p2p.find(key);
-        if (it == p2p.end()) {
-          p2p.emplace(key, P2PPosted{static_cast<int>(ri), i, s, ready});
-          break;
-        }
-        const P2PPosted first = it->second;
-        p2p.erase(it);
+        P2PPosted first{};
+        if (!match(key, P2PPosted{static_cast<int>(ri), i, s, ready}, first)) break;
         const double start = std::max(ready, first.ready);
         finish(first.rank_index, first.instruction, first.stream, start);
         finish(static_cast<int>(ri), i, s, start);
@@ -286,7 +353,11 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
 }
 
 Timeline estimate(const Scenario& sc, const Program& program) {
-  return evaluate_program(program, instruction_seconds(sc, program));
+  if (program.chains.empty()) return evaluate_program(program, instruction_seconds(sc, program));
+  std::vector<double> members;
+  Timeline tl = evaluate_program(program, instruction_seconds(sc, program, &members));
+  tl.chain_member_seconds = std::move(members);
+  return tl;
 }
 
 }  // namespace dssim

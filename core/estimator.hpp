@@ -10,6 +10,10 @@ namespace dssim {
 
 // Durations of every instruction of every materialized rank (one repetition times `repeat`).
 std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program);
+// The same; a collapsed chain's (BuildOptions::collapse_chains) is the sum of its members', each
+// written to `chain_member_seconds` [index into Program::chain_members] (needed when there are any).
+std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program,
+                                                     std::vector<double>* chain_member_seconds);
 
 // Earliest-start schedule of the Program given per-instruction durations. Members of a group that
 // are not materialized (representative_only) are assumed to reach a collective at the same time

@@ -113,8 +113,10 @@ struct PlanScore {
 };
 // The analytic estimate of one scenario: with exact, the Program of the whole iteration
 // (analytic_report); otherwise extrapolated from three shorter iterations when grad_accum is large
-// enough to gain from it and they are steady (and exactly otherwise).
-PlanScore score_scenario(const Scenario&, bool exact);
+// enough to gain from it and they are steady (and exactly otherwise). With collapse (what plan
+// uses), the Programs are built with BuildOptions::collapse_chains: the same timeline, far fewer
+// instructions (within 1e-9 of the uncollapsed Program: the sums of the chains round differently).
+PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true);
 // The three micro-batch counts the fast path evaluates for a scenario, {0, 0, 0} when it evaluates
 // the whole iteration (it also does when the three are not on one line).
 std::array<int, 3> extrapolation_points(const Scenario&);

@@ -99,6 +99,16 @@ struct Instruction {
   int32_t ops = -1;          // compute: index into Program::op_lists, the kernels this instruction runs
   uint32_t deps_begin = 0;   // into RankProgram::deps
   uint32_t deps_count = 0;
+  // A collapsed chain (BuildOptions::collapse_chains): index into Program::chains; this
+  // instruction stands for the chain's members, run back to back, and its own cost fields are
+  // the first member's. Chains that cost the same share one entry (its members' micro-batch is
+  // the first such chain's). -1: an ordinary instruction.
+  int32_t chain = -1;
+};
+
+// Consecutive members of one collapsed chain in Program::chain_members.
+struct Chain {
+  uint32_t begin = 0, count = 0;
 };
 
 struct RankProgram {
@@ -122,6 +132,9 @@ struct Program {
   // the other ranks behave identically when nothing contends, so closed-form interpreters need
   // only these.
   bool representative_only = false;
+  // BuildOptions::collapse_chains: the members of every collapsed chain, in run order.
+  std::vector<Chain> chains;
+  std::vector<Instruction> chain_members;
 };
 
 // Bytes one rank puts on the wire for a collective of `size_bytes` over `n` ranks, as NCCL's ring

@@ -36,6 +36,8 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+#include <cstring>
 
 #include "core/grid.hpp"
 #include "core/pipeline_engine.hpp"
@@ -623,7 +625,24 @@ class Builder {
         ch.bwd_split = segments(prog, ch, cuts);
       }
     }
-    plan.actions = v_ == 1 ? deepspeed_actions(s) : interleaved_actions(s);
+    plan.actions = v_ == 1 ? deepspeed_actions_cached(s) : interleaved_actions(s);
+  }
+
+  // DeepSpeed's 1F1B order depends on (pp, micro-batches, stage) only; a planner builds many
+  // Programs with the same ones (different TP, ZeRO, recompute, ...), so the last few are kept.
+  std::vector<Action> deepspeed_actions_cached(int s) const {
+    static std::mutex mutex;
+    static std::map<std::tuple<int, int, int>, std::vector<Action>> cache;
+    const auto key = std::make_tuple(p_, M_, s);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (auto it = cache.find(key); it != cache.end()) return it->second;
+    }
+    std::vector<Action> acts = deepspeed_actions(s);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (cache.size() >= 256) cache.clear();
+    cache.emplace(key, acts);
+    return acts;
   }
 
   std::vector<Action> deepspeed_actions(int s) const {
@@ -772,6 +791,13 @@ class Builder {
     int dp_n = 1, edp_n = 1;
     std::vector<uint32_t> deps;
     uint32_t last_compute = kNone;
+    Program* prog = nullptr;
+    uint32_t chain = kNone;            // collapse_chains: the open chain's instruction
+    std::vector<uint32_t> chain_deps;  // and what its first member waits for
+    // collapse_chains: per (chunk, forward / backward) the one instruction a micro-batch's pass
+    // emits (emit_compute_action), and whether it waits for the micro-batch's Recv.
+    struct Template { bool tried = false, ok = false, waits = false; Instruction in{}; };
+    std::vector<Template> templates;
     uint32_t last_reduce = kNone;   // last DP reduction (stream DpComm or Compute)
     uint32_t last_d2h = kNone;
     std::vector<uint32_t> recv_act, recv_grad, fwd_out, bwd_out;  // [chunk * M + mb]
@@ -798,13 +824,129 @@ class Builder {
     int seg;
   };
 
+  // Appends `in` (or, with collapse_chains, folds it into the open chain it runs right after);
+  // the id it returns is final: nothing is folded into it later. An instruction of another stream
+  // waits for a compute-stream one only through an id from add or compute_tail, so a chain's
+  // members other than its last are never waited for.
   uint32_t add(RankCtx& x, Instruction in, std::initializer_list<uint32_t> waits) {
+    const uint32_t id = add_link(x, in, waits);
+    if (in.stream == Stream::Compute) finish_chain(x);
+    return id;
+  }
+
+  // As add, but the instruction stays open for the next compute-stream instruction to fold into
+  // (collapse_chains): for instructions whose id the caller does not keep.
+  uint32_t add_link(RankCtx& x, Instruction in, std::initializer_list<uint32_t> waits) {
     x.deps.clear();
     for (uint32_t w : waits)
       if (w != kNone) x.deps.push_back(w);
+    const bool link = opts_.collapse_chains && in.stream == Stream::Compute && starts_on_arrival(*x.prog, in);
+    if (link && x.chain != kNone) {
+      // It starts when the chain's last member ends if it waits for nothing the chain's first did not.
+      bool covered = true;
+      for (uint32_t w : x.deps)
+        if (std::find(x.chain_deps.begin(), x.chain_deps.end(), w) == x.chain_deps.end()) { covered = false; break; }
+      if (covered) {
+        Instruction& head = x.rp->instructions[x.chain];
+        Program& prog = *x.prog;
+        if (head.chain < 0) {
+          head.chain = static_cast<int32_t>(prog.chains.size());
+          prog.chains.push_back({static_cast<uint32_t>(prog.chain_members.size()), 1});
+          prog.chain_members.push_back(head);
+          prog.chain_members.back().chain = -1;
+        }
+        in.deps_begin = in.deps_count = 0;
+        prog.chain_members.push_back(in);
+        ++prog.chains[head.chain].count;
+        return x.chain;
+      }
+    }
     const uint32_t id = x.rp->add(in, x.deps);
-    if (in.stream == Stream::Compute) x.last_compute = id;
+    if (in.stream != Stream::Compute) return id;  // (other streams neither extend nor close the chain)
+    x.last_compute = id;
+    finish_chain(x);
+    x.chain = link ? id : kNone;
+    if (link) x.chain_deps.assign(x.deps.begin(), x.deps.end());
     return id;
+  }
+
+  // The last compute-stream instruction, for a later instruction to wait for: closes its chain.
+  uint32_t compute_tail(RankCtx& x) {
+    finish_chain(x);
+    return x.last_compute;
+  }
+
+  // Closes the open chain. A chain whose members cost what an earlier one's do (the forward of a
+  // chunk is the same run for every micro-batch) shares that one's members: Program::chains stays
+  // small and the estimator prices each distinct chain once.
+  void finish_chain(RankCtx& x) {
+    if (x.chain == kNone) return;
+    Instruction& head = x.rp->instructions[x.chain];
+    x.chain = kNone;
+    if (head.chain < 0) return;
+    Program& prog = *x.prog;
+    const Chain c = prog.chains[head.chain];  // the last chain: members at the end of chain_members
+    uint64_t h = c.count;
+    for (uint32_t k = c.begin; k < c.begin + c.count; ++k) h = h * 1000003u ^ cost_hash(prog.chain_members[k]);
+    std::vector<int32_t>& same = chain_index_[h];
+    for (int32_t other : same) {
+      const Chain& o = prog.chains[other];
+      if (o.count != c.count) continue;
+      bool equal = true;
+      for (uint32_t k = 0; k < c.count && equal; ++k)
+        equal = same_cost(prog.chain_members[o.begin + k], prog.chain_members[c.begin + k]);
+      if (!equal) continue;
+      prog.chain_members.resize(c.begin);
+      prog.chains.pop_back();
+      head.chain = other;
+      return;
+    }
+    same.push_back(head.chain);
+  }
+
+  // What pricing and attributing an instruction read (not its micro-batch).
+  static bool same_cost(const Instruction& a, const Instruction& b) {
+    return a.op == b.op && a.stream == b.stream && a.purpose == b.purpose && a.chunk == b.chunk &&
+           a.layer_begin == b.layer_begin && a.layer_count == b.layer_count && a.group == b.group &&
+           a.peer == b.peer && a.bucket == b.bucket && a.repeat == b.repeat && a.flops == b.flops &&
+           a.bytes == b.bytes && a.memory_bytes == b.memory_bytes && a.gemm_flops == b.gemm_flops && a.ops == b.ops;
+  }
+  static uint64_t cost_hash(const Instruction& a) {
+    uint64_t bits[4];
+    std::memcpy(&bits[0], &a.flops, 8);
+    std::memcpy(&bits[1], &a.bytes, 8);
+    std::memcpy(&bits[2], &a.memory_bytes, 8);
+    bits[3] = uint64_t(a.op) | uint64_t(a.purpose) << 8 | uint64_t(uint32_t(a.group)) << 16 | uint64_t(uint32_t(a.repeat)) << 40 |
+              uint64_t(uint32_t(a.ops)) << 52;
+    uint64_t h = 1469598103934665603ull;
+    for (uint64_t b : bits) h = (h ^ b) * 1099511628211ull;
+    return h ^ uint64_t(uint32_t(a.layer_begin)) * 0x9E3779B97F4A7C15ull;
+  }
+
+  // Runs as soon as the stream reaches it: compute, copies, and collectives of a group with one
+  // materialized member (BuildOptions::representative_only: TP, DP, EP groups of a stage).
+  bool starts_on_arrival(const Program& prog, const Instruction& in) {
+    switch (in.op) {
+      case Op::Forward: case Op::Backward: case Op::Recompute: case Op::OptimizerStep:
+      case Op::CopyH2D: case Op::CopyD2H:
+        return true;
+      case Op::AllReduce: case Op::ReduceScatter: case Op::AllGather: case Op::AllToAll: {
+        if (in.group < 0) return false;
+        if (single_member_.size() <= size_t(in.group)) single_member_.resize(in.group + 1, -1);
+        int8_t& known = single_member_[in.group];
+        if (known < 0) {
+          int materialized = 0;
+          for (int r : prog.groups[in.group].ranks) {
+            const RankCoord c = grid_.coord(r);
+            if (!opts_.representative_only || (c.dp == 0 && c.tp == 0)) ++materialized;
+          }
+          known = materialized == 1 ? 1 : 0;
+        }
+        return known == 1;
+      }
+      default:
+        return false;
+    }
   }
 
   static Instruction make(Op op, Stream st, Purpose pu, int mb = -1, int chunk = -1) {
@@ -820,6 +962,7 @@ class Builder {
   void emit_rank(Program& prog, RankProgram& rp) {
     RankCtx x;
     x.rp = &rp;
+    x.prog = &prog;
     x.c = grid_.coord(rp.rank);
     x.plan = &plans_[x.c.pp];
     const StagePlan& plan = *x.plan;
@@ -840,6 +983,7 @@ class Builder {
     x.recv_grad.assign(v_ * M_, kNone);
     x.fwd_out.assign(v_ * M_, kNone);
     x.bwd_out.assign(v_ * M_, kNone);
+    x.templates.assign(2 * v_, {});
 
     // Stage 3: the compute segments in program order (for the prefetching gathers).
     std::vector<SegRef> segs;
@@ -890,11 +1034,48 @@ class Builder {
           add(x, in, {x.bwd_out[slot]});
           break;
         }
-        case Act::Fwd: emit_forward(prog, x, segs, a); break;
-        case Act::Bwd: emit_backward(prog, x, segs, a); break;
+        case Act::Fwd: emit_compute_action(prog, x, segs, a, true); break;
+        case Act::Bwd: emit_compute_action(prog, x, segs, a, false); break;
       }
     }
     emit_batch_end(x);
+    finish_chain(x);
+  }
+
+  // A forward (or a backward that reduces nothing) of a chunk emits the same instructions for
+  // every micro-batch; with collapse_chains that is one instruction (a chain) waiting for the
+  // micro-batch's Recv, so after the first it is copied instead of emitted again (ZeRO 0-2; ZeRO-3's
+  // gathers and reductions interleave with the compute).
+  void emit_compute_action(Program& prog, RankCtx& x, const std::vector<SegRef>& segs, const Action& a, bool forward) {
+    const int slot = a.chunk * M_ + a.mb;
+    const bool reduces = !forward && (zero_ >= 2 || a.mb == M_ - 1);
+    if (!opts_.collapse_chains || zero_ == 3 || reduces) {
+      forward ? emit_forward(prog, x, segs, a) : emit_backward(prog, x, segs, a);
+      return;
+    }
+    RankCtx::Template& t = x.templates[a.chunk * 2 + (forward ? 0 : 1)];
+    const uint32_t recv = forward ? x.recv_act[slot] : x.recv_grad[slot];
+    finish_chain(x);
+    if (t.ok && t.waits == (recv != kNone)) {
+      Instruction in = t.in;
+      in.micro_batch = a.mb;
+      const uint32_t id = t.waits ? x.rp->add(in, {recv}) : x.rp->add(in, {});
+      x.last_compute = id;
+      (forward ? x.fwd_out : x.bwd_out)[slot] = id;
+      return;
+    }
+    const size_t before = x.rp->instructions.size();
+    forward ? emit_forward(prog, x, segs, a) : emit_backward(prog, x, segs, a);
+    if (t.tried) return;
+    t.tried = true;
+    const auto& ins = x.rp->instructions;
+    if (ins.size() != before + 1 || ins.back().stream != Stream::Compute) return;
+    const Instruction& in = ins.back();
+    const bool waits = in.deps_count == 1 && x.rp->deps[in.deps_begin] == recv;
+    if (!waits && !(in.deps_count == 0 && recv == kNone)) return;
+    t.ok = true;
+    t.in = in;
+    t.waits = waits;
   }
 
   int peer_of(const RankCoord& c, int vs) const { return grid_.rank_of(c.dp, vs % p_, c.tp); }
@@ -986,7 +1167,7 @@ class Builder {
     Instruction in = make(Op::AllGather, Stream::Compute, purpose, mb, chunk);
     in.group = x.tp_g;
     in.bytes = act_bytes_;
-    add(x, in, {recv});
+    add_link(x, in, {recv});
   }
 
   void emit_tp(RankCtx& x, const Segment& s, int mb, int chunk) {
@@ -1005,7 +1186,7 @@ class Builder {
       in.layer_count = s.layer_count;
       in.repeat = sp ? 2 * layers : 2 * s.dense_layers + s.moe_layers;
       in.bytes = act_bytes_;
-      add(x, in, {});
+      add_link(x, in, {});
     }
   }
 
@@ -1024,7 +1205,7 @@ class Builder {
     in.layer_count = s.layer_count;
     in.repeat = layers;
     in.bytes = checkpoint_partition_bytes();
-    add(x, in, {});
+    add_link(x, in, {});
   }
   void emit_checkpoint_gather(RankCtx& x, const Segment& s, int mb, int chunk) {
     const int layers = s.dense_layers + s.moe_layers;
@@ -1043,7 +1224,7 @@ class Builder {
     in.layer_count = s.layer_count;
     in.repeat = repeat;
     in.bytes = bytes;
-    add(x, in, {});
+    add_link(x, in, {});
   }
 
   // Vocabulary-parallel embedding: each TP rank looks up its vocabulary slice and the partial
@@ -1096,7 +1277,7 @@ class Builder {
       in.layer_count = s.layer_count;
       in.repeat = s.moe_layers;
       in.bytes = a2a_bytes_;
-      add(x, in, {});
+      add_link(x, in, {});
     }
   }
 
@@ -1128,14 +1309,14 @@ class Builder {
         ++x.seg_cursor;
       }
       if (k == 0) gather_received_slice(x, x.recv_act[slot], Purpose::PipelineActivation, a.mb, a.chunk);
-      add(x, segment_compute(Op::Forward, s, s.fwd, a), {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
+      add_link(x, segment_compute(Op::Forward, s, s.fwd, a), {k == 0 ? x.recv_act[slot] : kNone, ag_d, ag_e});
       emit_checkpoint_copy(x, s, a.mb, a.chunk, Op::CopyD2H);
       emit_tp_embedding(x, s, a.mb, a.chunk, false);
       emit_tp(x, s, a.mb, a.chunk);
       emit_tp_head(x, s, a.mb, a.chunk, false);
       emit_moe(x, s, a.mb, a.chunk, false);
     }
-    x.fwd_out[slot] = x.last_compute;
+    x.fwd_out[slot] = compute_tail(x);
   }
 
   void emit_backward(Program&, RankCtx& x, const std::vector<SegRef>& segs, const Action& a) {
@@ -1165,18 +1346,19 @@ class Builder {
       if (sc_.recompute != Recompute::none) {
         emit_checkpoint_copy(x, s, a.mb, a.chunk, Op::CopyH2D);
         emit_checkpoint_gather(x, s, a.mb, a.chunk);
-        add(x, segment_compute(Op::Recompute, s, s.rec, a), {grad_in, ag_d, ag_e});
+        add_link(x, segment_compute(Op::Recompute, s, s.rec, a), {grad_in, ag_d, ag_e});
         if (sc_.recompute == Recompute::full) {  // the recomputed forward repeats its TP / MoE comm
           emit_tp(x, s, a.mb, a.chunk);
           emit_moe(x, s, a.mb, a.chunk, false);
         }
       }
-      add(x, segment_compute(Op::Backward, s, s.bwd, a), {grad_in, ag_d, ag_e});
+      add_link(x, segment_compute(Op::Backward, s, s.bwd, a), {grad_in, ag_d, ag_e});
       emit_tp_embedding(x, s, a.mb, a.chunk, true);
       emit_tp(x, s, a.mb, a.chunk);
       emit_tp_head(x, s, a.mb, a.chunk, true);
       emit_moe(x, s, a.mb, a.chunk, true);
-      const uint32_t produced = x.last_compute;
+      // What a reduction of this segment's gradients waits for (closes the chain: only when one follows).
+      const uint32_t produced = zero_ == 3 || reduce_now ? compute_tail(x) : x.last_compute;
 
       if (zero_ == 3) {
         for (int pass = 0; pass < 2; ++pass) {
@@ -1221,7 +1403,7 @@ class Builder {
         }
       }
     }
-    x.bwd_out[slot] = x.last_compute;
+    x.bwd_out[slot] = compute_tail(x);
   }
 
   // DeepSpeed ReduceTiedGrads before ReduceGrads: on the first and last stage of a pipeline with
@@ -1306,7 +1488,7 @@ class Builder {
       in.group = x.emb_g;
       // BF16_Optimizer: the tied weight's fp32 gradient (weight._hp_grad).
       in.bytes = double(m_.vocab) * m_.hidden / t_ * (engine_.bf16_optimizer ? 4 : g_);
-      emb = add(x, in, {x.last_compute});
+      emb = add(x, in, {compute_tail(x)});
     }
     // The reductions of the buckets holding the tied embedding, as the backward would have emitted
     // them, after the sync; the optimizer step waits for them through last_reduce / last_d2h.
@@ -1340,7 +1522,7 @@ class Builder {
           in.group = grp;
           in.bytes = bytes;
           in.memory_bytes = local;
-          x.last_reduce = add(x, in, {x.last_compute});
+          x.last_reduce = add(x, in, {compute_tail(x)});
         }
       }
     }
@@ -1357,7 +1539,7 @@ class Builder {
       const double states = sc_.optimizer.kind == OptimizerKind::lion ? 8.0 : 12.0;
       if (sc_.zero.on_nvme_optimizer(sc_.cluster.nvme_bandwidth)) h.bytes += shard * 2 * states;
       if (sc_.zero.on_nvme_param(sc_.cluster.nvme_bandwidth)) h.bytes += shard * g_;
-      const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, x.last_compute});
+      const uint32_t step = add(x, h, {x.last_d2h, x.last_reduce, emb, compute_tail(x)});
       Instruction up = make(Op::CopyH2D, Stream::Offload, Purpose::OffloadParam);
       up.bytes = shard * g_;
       updated = add(x, up, {step});
@@ -1447,6 +1629,8 @@ class Builder {
   OpListCache cache_;
   std::vector<std::vector<int>> group_ids_;
   std::vector<std::vector<Action>> interleaved_actions_;
+  std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
+  std::unordered_map<uint64_t, std::vector<int32_t>> chain_index_;  // collapse_chains: chains by cost hash
 };
 
 }  // namespace

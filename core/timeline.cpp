@@ -1,6 +1,7 @@
 #include "core/timeline.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 #include <vector>
 
 namespace dssim {
@@ -22,6 +23,8 @@ double* comm_bucket(TimeBreakdown& t, const Instruction& in) {
   }
 }
 
+}  // namespace
+
 double* busy_bucket(TimeBreakdown& t, const Instruction& in) {
   switch (in.op) {
     case Op::Forward: return &t.forward;
@@ -34,8 +37,6 @@ double* busy_bucket(TimeBreakdown& t, const Instruction& in) {
     default: return comm_bucket(t, in);
   }
 }
-
-}  // namespace
 
 TimeBreakdown attribute_time(const Program& program, const Timeline& timeline, int rank_index) {
   TimeBreakdown t;
@@ -73,7 +74,15 @@ TimeBreakdown attribute_time(const Program& program, const Timeline& timeline, i
         t.bubble += gap;  // waiting at a rendezvous for slower peers, or for a pipeline neighbour
       }
     }
-    *busy_bucket(t, in) += sp.end - sp.start;
+    if (in.chain < 0) {
+      *busy_bucket(t, in) += sp.end - sp.start;
+    } else {  // a collapsed chain: each member's seconds to its own part
+      if (timeline.chain_member_seconds.size() != program.chain_members.size())
+        throw std::logic_error("attribute_time: a collapsed chain without its members' seconds (Timeline::chain_member_seconds)");
+      const Chain& c = program.chains[in.chain];
+      for (uint32_t k = c.begin; k < c.begin + c.count; ++k)
+        *busy_bucket(t, program.chain_members[k]) += timeline.chain_member_seconds[k];
+    }
     cursor = sp.end;
   }
   // Work that runs past the compute stream's end (a trailing gradient reduction or parameter

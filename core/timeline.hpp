@@ -15,6 +15,9 @@ struct Span {
 struct Timeline {
   std::vector<std::vector<Span>> spans;  // [index into Program::ranks][instruction index]
   double makespan = 0;                   // iteration time: the last instruction's end on any rank
+  // A Program with collapsed chains (BuildOptions::collapse_chains): the seconds of each member
+  // [index into Program::chain_members], which attribute_time splits a chain's span by.
+  std::vector<double> chain_member_seconds;
 };
 
 // Where one rank's iteration time goes, in seconds; sums to the makespan.
@@ -35,5 +38,8 @@ struct TimeBreakdown {
 // communication instruction) was running is exposed communication of its group kind; the part
 // before it (a Recv waiting for the previous stage) is pipeline bubble.
 TimeBreakdown attribute_time(const Program& program, const Timeline& timeline, int rank_index);
+
+// The part of the breakdown an instruction's busy time counts as.
+double* busy_bucket(TimeBreakdown& t, const Instruction& in);
 
 }  // namespace dssim

@@ -98,6 +98,76 @@ TEST_CASE("plan: the fast path matches the whole-iteration Program within 0.5% (
   CHECK(sampled - dense - uneven >= 20);
 }
 
+namespace {
+
+// The collapsed Programs (BuildOptions::collapse_chains, what plan scores with) against the
+// uncollapsed whole iteration on every `stride`-th ranked configuration: iteration time within
+// 1e-9 relative, every part of the breakdown within 1e-9 of the iteration, memory the same.
+// Returns the configurations compared and the largest relative difference seen.
+std::pair<size_t, double> check_collapsed_against_whole(const Scenario& base, const PlanResult& r, size_t stride,
+                                                        std::set<std::string>* covered = nullptr) {
+  size_t n = 0;
+  double worst = 0;
+  for (size_t i = 0; i < r.ranked.size(); i += stride) {
+    const PlanEntry& e = r.ranked[i];
+    const Scenario s = apply_point(base, e.point);
+    const PlanScore whole = score_scenario(s, /*exact=*/true, /*collapse=*/false);
+    const PlanScore collapsed = score_scenario(s, /*exact=*/true, /*collapse=*/true);
+    const PlanScore fast = score_scenario(s, /*exact=*/false, /*collapse=*/true);
+    INFO(e.point.label() << " grad_accum " << s.training.grad_accum);
+    const double T = whole.iteration_seconds;
+    REQUIRE(T > 0);
+    worst = std::max({worst, rel(collapsed.iteration_seconds, T), fast.extrapolated ? 0.0 : rel(fast.iteration_seconds, T)});
+    CHECK(rel(collapsed.iteration_seconds, T) <= 1e-9);
+    CHECK(fast.iteration_seconds == e.iteration_seconds);  // what the plan ranked by
+    if (!fast.extrapolated) CHECK(rel(fast.iteration_seconds, T) <= 1e-9);
+    const TimeBreakdown &c = collapsed.time, &w = whole.time;
+    for (auto [a, b] : std::vector<std::pair<double, double>>{
+             {c.forward, w.forward}, {c.backward, w.backward}, {c.recompute, w.recompute}, {c.optimizer, w.optimizer},
+             {c.exposed_tp, w.exposed_tp}, {c.exposed_pp, w.exposed_pp}, {c.exposed_dp, w.exposed_dp},
+             {c.exposed_ep, w.exposed_ep}, {c.exposed_offload, w.exposed_offload}, {c.bubble, w.bubble}, {c.idle, w.idle}})
+      CHECK(std::abs(a - b) <= 1e-9 * T);
+    CHECK(peak_memory(s).total() == e.memory.total());
+    if (covered) {
+      const PlanPoint& p = e.point;
+      covered->insert("pp" + std::to_string(p.pp));
+      covered->insert("z" + std::to_string(p.zero));
+      covered->insert("rc" + std::to_string(static_cast<int>(p.recompute)));
+      covered->insert("off" + std::to_string(static_cast<int>(p.offload)));
+      if (p.sequence_parallel) covered->insert("sp");
+      if (p.interleave >= 3) covered->insert("v>=3");
+    }
+    ++n;
+  }
+  return {n, worst};
+}
+
+}  // namespace
+
+TEST_CASE("plan: collapsed chains give the uncollapsed Program's iteration time, breakdown and memory", "[plan]") {
+  // Every 12th ranked GPT-3 175B configuration (241 of 2891: pp 1 to 64, interleaving, ZeRO 0-3,
+  // every recompute mode, SP, both offloads), every 40th of GPT 13B's (uneven pipelines) and every
+  // 20th of the MoE scenario's (EP).
+  const PlanResult& r = gpt175b_plan();
+  std::set<std::string> covered;
+  const auto [n175, worst175] = check_collapsed_against_whole(load_scenario("gpt175b"), r, 12, &covered);
+  INFO("covered: " << [&] { std::string c; for (auto& k : covered) c += k + " "; return c; }());
+  CHECK(n175 >= 200);
+  for (const char* k : {"pp1", "pp2", "pp4", "pp8", "pp16", "pp32", "pp64", "z0", "z1", "z2", "z3", "rc0", "rc1", "rc2",
+                        "off0", "off1", "off2", "sp", "v>=3"})
+    CHECK(covered.count(k) == 1);
+  const Scenario gpt13b = load_scenario("gpt13b_zero2");
+  const auto [n13, worst13] = check_collapsed_against_whole(gpt13b, plan(gpt13b, PlanOptions{}), 40);
+  CHECK(n13 >= 50);
+  const Scenario moe = load_scenario("moe");
+  PlanOptions o;
+  o.vary = {PlanDim::tp, PlanDim::pp, PlanDim::micro_batch, PlanDim::zero, PlanDim::ep, PlanDim::interleave};
+  const auto [nmoe, worstmoe] = check_collapsed_against_whole(moe, plan(moe, o), 20);
+  CHECK(nmoe >= 20);
+  WARN("collapsed vs whole: GPT-3 175B " << n175 << " (max rel " << worst175 << "), GPT 13B " << n13 << " (" << worst13
+                                         << "), MoE " << nmoe << " (" << worstmoe << ")");
+}
+
 TEST_CASE("plan: a pipeline whose slowest stage takes over late is not extrapolated early", "[plan]") {
   // GPT 13B (40 layers) on 32 stages, the first 8 with two layers: T(m) grows by 38.6 ms per
   // micro-batch until m ~ 100, then by 41.7 ms (the two-layer stages' line takes over). Three points
