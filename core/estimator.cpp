@@ -34,7 +34,10 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
     }
   };
   std::unordered_map<Key, double, KeyHash> collective_cache;
-  struct { int from = -1, to = -1; double bytes = -1, seconds = 0; } last_p2p;  // a stage's p2p repeat
+  // A stage's sends and receives repeat four kinds (to and from each neighbour): the last few.
+  struct P2PSeconds { int from = -1, to = -1; double bytes = -1, seconds = 0; };
+  std::array<P2PSeconds, 8> p2p_cache{};
+  size_t p2p_next = 0;
 
   // One repetition's seconds times `repeat`, of an instruction of `me`.
   auto price = [&](const Instruction& in, int me) {
@@ -59,9 +62,15 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
       t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
     } else if (in.op == Op::Send || in.op == Op::Recv) {
       const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
-      if (from != last_p2p.from || to != last_p2p.to || in.bytes != last_p2p.bytes)
-        last_p2p = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
-      t = last_p2p.seconds;
+      const P2PSeconds* hit = nullptr;
+      for (const P2PSeconds& c : p2p_cache)
+        if (c.from == from && c.to == to && c.bytes == in.bytes) { hit = &c; break; }
+      if (!hit) {
+        P2PSeconds& c = p2p_cache[p2p_next++ % p2p_cache.size()];
+        c = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
+        hit = &c;
+      }
+      t = hit->seconds;
     } else {
       t = device.copy_seconds(in);
     }
@@ -157,10 +166,14 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     Kind kind;
     bool send;
   };
-  std::vector<std::array<std::vector<Entry>, kStreams>> streams(nr);
+  // Kept between calls (per thread): a planner evaluates thousands of Programs, and allocating
+  // these afresh each time had every first write miss the cache.
+  static thread_local std::vector<std::array<std::vector<Entry>, kStreams>> streams;
+  static thread_local std::vector<std::vector<char>> done, posted;
+  if (streams.size() < nr) streams.resize(nr);
+  if (done.size() < nr) done.resize(nr), posted.resize(nr);
   std::vector<std::array<size_t, kStreams>> cursor(nr);
   std::vector<std::array<double, kStreams>> stream_free(nr);
-  std::vector<std::vector<char>> done(nr), posted(nr);
   std::vector<uint32_t> seq_by_group(ng);
   size_t remaining = 0;
   int64_t min_tag = INT32_MAX, max_tag = INT32_MIN;  // over the sends and receives
@@ -171,13 +184,11 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     done[ri].assign(ins.size(), 0);
     posted[ri].assign(ins.size(), 0);
     std::fill(seq_by_group.begin(), seq_by_group.end(), 0);
-    std::array<size_t, kStreams> per_stream{};
-    for (const Instruction& in : ins) ++per_stream[static_cast<int>(in.stream)];
-    for (int s = 0; s < kStreams; ++s) streams[ri][s].reserve(per_stream[s]);
+    for (int s = 0; s < kStreams; ++s) streams[ri][s].clear();  // (their capacity stays: no counting pass)
     for (uint32_t i = 0; i < ins.size(); ++i) {
       const Instruction& in = ins[i];
       Entry e{i, in.deps_begin, in.deps_count, 0, 0, kPlain, false};
-      if (is_collective(in.op) && materialized.at(in.group) > 1) {
+      if (is_collective(in.op) && materialized[in.group] > 1) {
         e.kind = kRendezvous;
         e.a = in.group;
         e.b = seq_by_group[in.group]++;
