@@ -117,6 +117,9 @@ struct PlanScore {
 // uses), the Programs are built with BuildOptions::collapse_chains: the same timeline, far fewer
 // instructions (within 1e-9 of the uncollapsed Program: the sums of the chains round differently).
 PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true);
+// A point that core/validate certainly refuses once applied to `base` (a subset of its rules,
+// checked on the point's values): the search counts it as refused without building its scenario.
+bool refused_early(const Scenario& base, const PlanPoint&);
 // The three micro-batch counts the fast path evaluates for a scenario, {0, 0, 0} when it evaluates
 // the whole iteration (it also does when the three are not on one line).
 std::array<int, 3> extrapolation_points(const Scenario&);

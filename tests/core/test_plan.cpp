@@ -429,3 +429,41 @@ TEST_CASE("plan: LoRA rank and the checkpointing options are searched when named
   }
   CHECK(cks == std::set<int>{0, 1, 2});
 }
+
+TEST_CASE("plan: a point refused early is one validate refuses", "[plan]") {
+  // The search counts refused_early points as refused without building them; each must be one
+  // that apply_point + validate refuses. Every combination of these values on GPT-3 175B (1024
+  // GPUs, batch 1536) and on the MoE scenario (64 GPUs):
+  for (const char* name : {"gpt175b", "moe"}) {
+    const Scenario base = load_scenario(name);
+    const int n = base.cluster.world();
+    size_t early = 0, checked = 0, refused = 0;
+    for (int tp : {1, 2, 4, 8})
+      for (int pp : {1, 2, 3, 4, 8, 16})
+        for (int mb : {1, 2, 3, 4})
+          for (int z = 0; z <= 3; ++z)
+            for (int v : {1, 2, 3, 4, 6})
+              for (int sp = 0; sp <= 1; ++sp)
+                for (int off = 0; off <= 2; ++off) {
+                  if (n % (tp * pp) != 0) continue;
+                  PlanPoint p = point_of(base);
+                  p.tp = tp, p.pp = pp, p.dp = n / (tp * pp), p.micro_batch = mb, p.zero = z, p.interleave = v;
+                  p.sequence_parallel = sp != 0, p.offload = static_cast<Offload>(off);
+                  ++checked;
+                  bool throws = false;
+                  try {
+                    validate(apply_point(base, p));
+                  } catch (const ConfigError&) {
+                    throws = true;
+                  }
+                  refused += throws;
+                  if (!refused_early(base, p)) continue;
+                  ++early;
+                  INFO(name << " " << p.label());
+                  CHECK(throws);
+                }
+    INFO(name << ": " << early << " refused early, " << refused << " refused, of " << checked);
+    CHECK(early * 2 > refused);  // most refusals are caught early
+    CHECK(early < refused);      // and not all: the others still go through validate
+  }
+}
