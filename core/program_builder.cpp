@@ -32,6 +32,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -131,7 +132,7 @@ struct StagePlan {
   // Stage 3: all-gather calls the engine issues for each group (core/zero3_placement.hpp).
   std::vector<int> s3_dense_calls, s3_expert_calls;
   std::vector<int> s3_dense_reduces, s3_expert_reduces;  // reduce-scatter calls per group
-  std::vector<Action> actions;
+  const std::vector<Action>* actions = nullptr;  // into Builder::schedule()
 };
 
 struct OpListCache {
@@ -625,24 +626,34 @@ class Builder {
         ch.bwd_split = segments(prog, ch, cuts);
       }
     }
-    plan.actions = v_ == 1 ? deepspeed_actions_cached(s) : interleaved_actions(s);
+    plan.actions = &schedule()[s];
   }
 
-  // DeepSpeed's 1F1B order depends on (pp, micro-batches, stage) only; a planner builds many
-  // Programs with the same ones (different TP, ZeRO, recompute, ...), so the last few are kept.
-  std::vector<Action> deepspeed_actions_cached(int s) const {
+  // Every stage's action list: DeepSpeed's 1F1B, or Megatron's interleaved order placed by a
+  // unit-cost run. They depend on (pp, interleave, micro-batches) only, and a planner builds many
+  // Programs with the same three (different TP, ZeRO, recompute, ...): the last few are kept,
+  // shared (not copied) by the Programs that use them.
+  const std::vector<std::vector<Action>>& schedule() {
+    if (schedule_) return *schedule_;
     static std::mutex mutex;
-    static std::map<std::tuple<int, int, int>, std::vector<Action>> cache;
-    const auto key = std::make_tuple(p_, M_, s);
+    static std::map<std::tuple<int, int, int>, std::shared_ptr<const std::vector<std::vector<Action>>>> cache;
+    const auto key = std::make_tuple(p_, v_, M_);
     {
       std::lock_guard<std::mutex> lock(mutex);
-      if (auto it = cache.find(key); it != cache.end()) return it->second;
+      if (auto it = cache.find(key); it != cache.end()) return *(schedule_ = it->second);
     }
-    std::vector<Action> acts = deepspeed_actions(s);
+    std::vector<std::vector<Action>> all(p_);
+    if (v_ == 1) {
+      for (int s = 0; s < p_; ++s) all[s] = deepspeed_actions(s);
+    } else {
+      run_interleaved_unit_schedule();
+      all = std::move(interleaved_actions_);
+    }
+    schedule_ = std::make_shared<const std::vector<std::vector<Action>>>(std::move(all));
     std::lock_guard<std::mutex> lock(mutex);
-    if (cache.size() >= 256) cache.clear();
-    cache.emplace(key, acts);
-    return acts;
+    if (cache.size() >= 64) cache.clear();
+    cache.emplace(key, schedule_);
+    return *schedule_;
   }
 
   std::vector<Action> deepspeed_actions(int s) const {
@@ -662,29 +673,6 @@ class Builder {
       }
     }
     return acts;
-  }
-
-  // Megatron's interleaved compute order, p2p placed by a unit-cost run of the whole pipeline.
-  std::vector<Action> interleaved_actions(int s) {
-    if (interleaved_actions_.empty()) interleaved_actions_ = interleaved_schedule_cached();
-    return interleaved_actions_[s];
-  }
-
-  // The unit-cost run depends on (pp, interleave, micro-batches) only; a planner builds many
-  // Programs with the same three (different TP, micro-batch size, ZeRO, ...), so the last few are kept.
-  std::vector<std::vector<Action>> interleaved_schedule_cached() {
-    static std::mutex mutex;
-    static std::map<std::tuple<int, int, int>, std::vector<std::vector<Action>>> cache;
-    const auto key = std::make_tuple(p_, v_, M_);
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (auto it = cache.find(key); it != cache.end()) return it->second;
-    }
-    run_interleaved_unit_schedule();
-    std::lock_guard<std::mutex> lock(mutex);
-    if (cache.size() >= 16) cache.clear();
-    cache.emplace(key, interleaved_actions_);
-    return interleaved_actions_;
   }
 
   void run_interleaved_unit_schedule() {
@@ -988,7 +976,7 @@ class Builder {
     // Stage 3: the compute segments in program order (for the prefetching gathers).
     std::vector<SegRef> segs;
     if (zero_ == 3) {
-      for (const Action& a : plan.actions) {
+      for (const Action& a : *plan.actions) {
         if (a.act == Act::Fwd)
           for (int k = 0; k < int(plan.chunks[a.chunk].fwd.size()); ++k) segs.push_back({true, a.chunk, k});
         if (a.act == Act::Bwd)
@@ -998,7 +986,7 @@ class Builder {
       x.ag.assign(segs.size(), {kNone, kNone});
     }
 
-    for (const Action& a : plan.actions) {
+    for (const Action& a : *plan.actions) {
       const Chunk& ch = plan.chunks[a.chunk];
       const int slot = a.chunk * M_ + a.mb;
       switch (a.act) {
@@ -1628,7 +1616,8 @@ class Builder {
   std::vector<StagePlan> plans_;
   OpListCache cache_;
   std::vector<std::vector<int>> group_ids_;
-  std::vector<std::vector<Action>> interleaved_actions_;
+  std::vector<std::vector<Action>> interleaved_actions_;  // run_interleaved_unit_schedule's result
+  std::shared_ptr<const std::vector<std::vector<Action>>> schedule_;
   std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
   std::unordered_map<uint64_t, std::vector<int32_t>> chain_index_;  // collapse_chains: chains by cost hash
 };
