@@ -186,7 +186,11 @@ class Simulation {
   std::vector<int> free_jobs_;
   std::vector<std::unique_ptr<Waiter>> waiters_;
   std::vector<int> idle_waiters_;
-  std::deque<std::pair<int, double>> completed_;
+  // Jobs ended, in order, not yet finished by the controller: a vector read from `completed_head_`
+  // and emptied once the controller has caught up (a deque allocated a node every 32 jobs: 1.2 %
+  // of the CPU at 16,384 GPUs).
+  std::vector<std::pair<int, double>> completed_;
+  size_t completed_head_ = 0;
   sg4::SemaphorePtr wake_;
   int active_jobs_ = 0;
 
@@ -544,9 +548,9 @@ void Simulation::controller() {
     bool any = true;
     while (any) {
       any = false;
-      while (!completed_.empty()) {
-        auto [id, t] = completed_.front();
-        completed_.pop_front();
+      // Waiters may append while the controller finishes (a job of no flows ends at once).
+      while (completed_head_ < completed_.size()) {
+        const auto [id, t] = completed_[completed_head_++];
         --active_jobs_;
         // finish() may start new jobs (this id among them) and rendezvous, not this one's.
         const Job job = jobs_[id];
@@ -560,6 +564,8 @@ void Simulation::controller() {
         }
         any = true;
       }
+      completed_.clear();  // caught up; no waiter runs before the next simcall
+      completed_head_ = 0;
       const double now = sg4::Engine::get_clock();
       while (!timers_.empty() && timers_.top().t <= now + kTick) {
         const Timer tm = timers_.top();
