@@ -1,6 +1,7 @@
 #include "core/device_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include "core/device_profile.hpp"
 
 namespace dssim {
@@ -15,9 +16,19 @@ DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute reco
       recompute_(recompute),
       flash_attention_(flash_attention),
       peak_(dtype == Dtype::fp32 ? cluster.gpu.peak_flops_32 : cluster.gpu.peak_flops_16),
+      clock_(power_limit_clock_factor(cluster.gpu)),
       dtype_(dtype) {
   if (!cluster.device_profile.empty())
     profile_ = shared_device_profile(resolve_device_profile_path(cluster.device_profile));
+}
+
+double DeviceModel::power_limit_clock_factor(const GpuSpec& gpu) {
+  // Dynamic power P = C f V^2 with the voltage following the clock along the DVFS curve (V ~ f):
+  // P ~ f^3, so a limit at a fraction x of the TDP sustains the clock x^(1/3) of the TDP clock on
+  // kernels that draw the TDP (compute-bound ones). The exponent is the physical model, not a
+  // measurement; leakage and the voltage floor make real curves flatter at low limits.
+  if (!(gpu.power_limit > 0) || !(gpu.tdp > 0) || gpu.power_limit >= gpu.tdp) return 1.0;
+  return std::cbrt(gpu.power_limit / gpu.tdp);
 }
 
 // Saturating curve: small GEMMs cannot fill the GPU's SMs (wave quantization, launch latency);
@@ -45,7 +56,7 @@ double DeviceModel::kernel_seconds(const LayerOp& op) const {
   const GpuSpec& g = cluster_.gpu;
   // QK^T and attention-over-V run inside one fused (flash) kernel: FLOP-bound, and its s x s
   // intermediates never reach HBM.
-  return op.flops / (peak_ * g.attention_efficiency) + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
+  return op.flops / (peak_ * clock_ * g.attention_efficiency) + 0.5 * g.kernel_launch;  // two GEMMs, one kernel
 }
 
 double DeviceModel::flash_backward_seconds(const LayerOp& op) const {
@@ -78,7 +89,7 @@ double DeviceModel::roofline_seconds(const LayerOp& op) const {
   const GpuSpec& g = cluster_.gpu;
   double compute = 0;
   const double memory = op.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
-  if (op.gemm && op.flops > 0) compute = op.flops / (peak_ * gemm_efficiency(op.flops));
+  if (op.gemm && op.flops > 0) compute = op.flops / (peak_ * clock_ * gemm_efficiency(op.flops));
   return std::max(compute, memory) + g.kernel_launch;
 }
 
@@ -132,7 +143,7 @@ double DeviceModel::compute_seconds(const Program& program, const Instruction& i
       return inst.memory_bytes / *bw;
   }
   const double memory = inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency);
-  const double compute = inst.flops / (cluster_.gpu.peak_flops_32 > 0 ? cluster_.gpu.peak_flops_32 : peak_);
+  const double compute = inst.flops / ((cluster_.gpu.peak_flops_32 > 0 ? cluster_.gpu.peak_flops_32 : peak_) * clock_);
   return std::max(memory, compute) + g.kernel_launch;
 }
 

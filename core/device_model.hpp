@@ -1,6 +1,7 @@
 // How long a compute instruction takes on a GPU: per kernel, a roofline with efficiency curves
 // taken from the GPU preset (or a measured calibration profile), plus kernel-launch overhead.
-//   t(kernel) = max(flops / (peak * eff(kernel)), bytes / (hbm_bandwidth * memory_efficiency)) + launch
+//   t(kernel) = max(flops / (peak * clock * eff(kernel)), bytes / (hbm_bandwidth * memory_efficiency)) + launch
+// (clock: the power limit's clock factor, 1 at TDP).
 // Shared by the analytic estimator and the simulator so both agree when nothing contends.
 #pragma once
 #include <memory>
@@ -39,6 +40,16 @@ class DeviceModel {
   // at the profile's onebit_* rows, else the HBM roofline); 0 for plain collectives.
   double collective_local_seconds(const Instruction& inst) const;
 
+  // Sustained SM clock of compute-bound kernels under cluster.gpu.power_limit, as a fraction of
+  // the clock at TDP: (power_limit / tdp)^(1/3), 1 without a limit or with one at or above the TDP.
+  // Physical model, not measured: dynamic power ~ f V^2 and V ~ f along the DVFS curve, so P ~ f^3.
+  // Divides the FLOP-bound time of GEMMs, fused attention and the optimizer step's FLOP term;
+  // memory-bound kernels (they stay below the limit: bench/gemm_power_clock.py), copies and
+  // communication are unchanged. A measured device profile already holds the clocks it ran at, so the loader
+  // refuses power_limit with device_profile.
+  static double power_limit_clock_factor(const GpuSpec& gpu);
+  double clock_factor() const { return clock_; }
+  // The datasheet peak (MFU / HFU denominators): the power limit does not change it.
   double peak_flops() const { return peak_; }
   const ClusterSpec& cluster() const { return cluster_; }
   // The measured profile named by cluster.device_profile; null when the preset curves apply.
@@ -52,6 +63,7 @@ class DeviceModel {
   bool flash_attention_;
   bool onebit_step_ = false;  // the step is 1-bit Adam's compressed-phase update
   double peak_;
+  double clock_ = 1.0;  // power_limit_clock_factor(cluster.gpu)
   Dtype dtype_;
   std::shared_ptr<const DeviceProfile> profile_;
 };

@@ -242,6 +242,11 @@ struct GpuSpec {
   double attention_efficiency = 0.6; // fused attention plateau
   double memory_efficiency = 0.85;   // fraction of HBM bandwidth memory-bound kernels reach
   double kernel_launch = 4e-6;       // seconds per kernel
+  // Board power: the preset's TDP (the default power limit of the SXM part) and the limit the run
+  // set (nvidia-smi -pl; 0 = none, the GPU runs at its TDP). A limit below the TDP lowers the
+  // sustained SM clock of compute-bound kernels (DeviceModel::power_limit_clock_factor).
+  double tdp = 0;                    // watts; 0 = not stated
+  double power_limit = 0;            // watts; 0 = no limit
 };
 
 struct ClusterSpec {

@@ -404,6 +404,8 @@ const std::vector<Field>& fields() {
     add("cluster.gpu.attention_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.attention_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.memory_efficiency", [](Scenario& s, const Entry& e) { s.cluster.gpu.memory_efficiency = get_positive(e, D::None); });
     add("cluster.gpu.kernel_launch", [](Scenario& s, const Entry& e) { s.cluster.gpu.kernel_launch = get_non_negative(e, D::Time); });
+    add("cluster.gpu.tdp", [](Scenario& s, const Entry& e) { s.cluster.gpu.tdp = get_positive(e, D::Power); });
+    add("cluster.gpu.power_limit", [](Scenario& s, const Entry& e) { s.cluster.gpu.power_limit = get_positive(e, D::Power); });
     // what-ifs of the simulator backend (core/what_if.hpp)
     add("what_if", [](Scenario& s, const Entry& e) {
       if (!e.value.IsSequence())
@@ -1087,6 +1089,8 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "gemm_efficiency" << YAML::Value << g.gemm_efficiency << YAML::Key << "gemm_half_flops" << YAML::Value << g.gemm_half_flops;
   y << YAML::Key << "attention_efficiency" << YAML::Value << g.attention_efficiency;
   y << YAML::Key << "memory_efficiency" << YAML::Value << g.memory_efficiency << YAML::Key << "kernel_launch" << YAML::Value << g.kernel_launch;
+  if (g.tdp > 0) y << YAML::Key << "tdp" << YAML::Value << g.tdp;
+  if (g.power_limit > 0) y << YAML::Key << "power_limit" << YAML::Value << g.power_limit;
   y << YAML::EndMap << YAML::EndMap;
   y << YAML::EndMap;
   return std::string(y.c_str()) + "\n";

@@ -16,6 +16,7 @@ const char* to_string(Dimension d) {
     case Dimension::Time: return "time";
     case Dimension::FlopRate: return "FLOP rate";
     case Dimension::Flops: return "FLOP count";
+    case Dimension::Power: return "power";
   }
   return "?";
 }
@@ -28,6 +29,7 @@ std::string example_of(Dimension d) {
     case Dimension::Time: return "a time such as '2 us', '0.5 ms' or 2e-6 (seconds)";
     case Dimension::FlopRate: return "a FLOP rate such as '312 TFLOP/s' or 312e12 (FLOP/s)";
     case Dimension::Flops: return "a FLOP count such as '5 GFLOP' or 5e9";
+    case Dimension::Power: return "a power such as '500 W', '0.7 kW' or 500 (watts)";
   }
   return "a number";
 }
@@ -129,6 +131,12 @@ std::optional<double> unit_factor(std::string u, Dimension d) {
       } else {
         if (rest == "FLOP" || rest == "FLOPS") return p;
       }
+      return std::nullopt;
+    }
+    case Dimension::Power: {
+      std::string_view v = u;
+      if (v == "W" || v == "watt" || v == "watts") return 1;
+      if (v == "kW") return 1e3;
       return std::nullopt;
     }
   }

@@ -1,5 +1,5 @@
 // Quantities as users write them in scenarios ("200 Gb/s", "80 GiB", "2 us", "312 TFLOP/s"),
-// converted to SI: bytes, bytes/s, seconds, FLOP/s. Plain numbers are taken as already SI.
+// converted to SI: bytes, bytes/s, seconds, FLOP/s, watts. Plain numbers are taken as already SI.
 #pragma once
 #include <optional>
 #include <string>
@@ -13,6 +13,7 @@ enum class Dimension {
   Time,       // seconds: s, ms, us (µs), ns
   FlopRate,   // FLOP/s: "312 TFLOP/s", "312 TFLOPS", "1.5e12 FLOP/s"
   Flops,      // FLOP: "5 GFLOP"
+  Power,      // watts: "500 W", "0.7 kW"
 };
 const char* to_string(Dimension);
 // What a user may write, for error messages: "a bandwidth such as '200 Gb/s' or 25e9 (bytes/s)".

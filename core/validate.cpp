@@ -432,6 +432,30 @@ void validate(const Scenario& s, const KeyLocator& where) {
   c.fraction("cluster.gpu.memory_efficiency", g.memory_efficiency);
   c.non_negative("cluster.gpu.gemm_half_flops", g.gemm_half_flops);
   c.non_negative("cluster.gpu.kernel_launch", g.kernel_launch);
+  c.non_negative("cluster.gpu.tdp", g.tdp);
+  c.non_negative("cluster.gpu.power_limit", g.power_limit);
+  if (g.power_limit > 0) {
+    if (!(g.tdp > 0)) {
+      o << "cluster.gpu.power_limit" << at("cluster.gpu.power_limit") << " (" << g.power_limit
+        << " W) needs the GPU's TDP to compare with: set cluster.gpu.tdp (watts, e.g. '700 W' for an H100 SXM) "
+           "or use a GPU preset (" << presets("gpus") << "), which states it";
+      fail();
+    }
+    if (g.power_limit > 1.5 * g.tdp) {
+      o << "cluster.gpu.power_limit" << at("cluster.gpu.power_limit") << " is " << g.power_limit
+        << " W, more than 1.5 x the GPU's TDP of " << g.tdp << " W" << at("cluster.gpu.tdp")
+        << ": no board accepts a limit that far above its TDP (and a limit at or above the TDP changes "
+           "nothing here); give the limit in watts ('500 W'), or omit it to run at the TDP";
+      fail();
+    }
+    if (!cl.device_profile.empty()) {
+      o << "cluster.gpu.power_limit" << at("cluster.gpu.power_limit") << " with cluster.device_profile"
+        << at("cluster.device_profile")
+        << ": the profile's kernel rates were measured at the clocks its GPU ran at, under whatever limit it had; "
+           "drop power_limit (to model a limit with a profile, calibrate under that limit)";
+      fail();
+    }
+  }
   if (cl.intra_node != "nvswitch" && cl.intra_node != "nvlink" && cl.intra_node != "pcie") {
     o << "cluster.intra_node" << at("cluster.intra_node") << " must be nvswitch, nvlink or pcie, got '" << cl.intra_node << "'";
     fail();

@@ -2,6 +2,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include "core/model.hpp"
 #include "core/scenario_loader.hpp"
 
 namespace dssim::test {
@@ -28,6 +29,17 @@ inline std::string tiny_yaml(const std::string& parallel = "  tp: 1\n  pp: 1\n",
   return "model: tiny\n"
          "training:\n  global_batch: 8\n  micro_batch: 1\n"
          "parallel:\n" + parallel + extra + "cluster:\n" + cluster;
+}
+
+// A bf16 GEMM LayerOp [m x k] x [k x n] ("mlp_up"): 2 m n k FLOPs, its three matrices' bytes.
+inline LayerOp gemm_op(double m, double n, double k) {
+  LayerOp op;
+  op.name = "mlp_up";
+  op.gemm = true;
+  op.m = m, op.n = n, op.k = k;
+  op.flops = 2 * m * n * k;
+  op.memory_bytes = (m * k + k * n + m * n) * 2;
+  return op;
 }
 
 inline bool has_warning_with(const Scenario& s, const std::string& text) {

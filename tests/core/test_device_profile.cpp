@@ -62,15 +62,7 @@ std::string write_temp(const std::string& name, const std::string& text) {
   return path.string();
 }
 
-LayerOp gemm(double m, double n, double k) {
-  LayerOp op;
-  op.name = "mlp_up";
-  op.gemm = true;
-  op.m = m, op.n = n, op.k = k;
-  op.flops = 2 * m * n * k;
-  op.memory_bytes = (m * k + k * n + m * n) * 2;
-  return op;
-}
+LayerOp gemm(double m, double n, double k) { return dssim::test::gemm_op(m, n, k); }
 
 }  // namespace
 
