@@ -19,7 +19,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
 }
 
 std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program,
-                                                     std::vector<double>* chain_member_seconds) {
+                                                     std::vector<double>* chain_member_seconds, CollectivePrices* shared) {
   const DeviceModel device(sc);
   // Seconds per (kernel list, phase): forward, backward, recompute.
   std::vector<std::array<double, 3>> op_list_seconds(program.op_lists.size(), {-1.0, -1.0, -1.0});
@@ -39,6 +39,20 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
   std::array<P2PSeconds, 8> p2p_cache{};
   size_t p2p_next = 0;
 
+  auto shared_collective_seconds = [&](Op op, double bytes, const std::vector<int>& ranks) {
+    if (!shared) return collective_seconds(sc.cluster, op, bytes, ranks);
+    uint64_t h;
+    std::memcpy(&h, &bytes, sizeof h);
+    h = (h * 1099511628211ull) ^ uint64_t(op);
+    for (int r : ranks) h = (h ^ uint64_t(uint32_t(r))) * 1099511628211ull;
+    std::vector<CollectivePrices::Entry>& bucket = shared->by_hash[h];
+    for (const CollectivePrices::Entry& e : bucket)
+      if (e.op == op && e.bytes == bytes && e.ranks == ranks) return e.seconds;
+    const double t = collective_seconds(sc.cluster, op, bytes, ranks);
+    bucket.push_back({op, bytes, ranks, t});
+    return t;
+  };
+
   // One repetition's seconds times `repeat`, of an instruction of `me`.
   auto price = [&](const Instruction& in, int me) {
     double t = 0;
@@ -57,8 +71,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
       const Key key{in.group, in.op, in.bytes};
       auto it = collective_cache.find(key);
       if (it == collective_cache.end())
-        it = collective_cache.emplace(key, collective_seconds(sc.cluster, in.op, in.bytes,
-                                                              program.groups.at(in.group).ranks)).first;
+        it = collective_cache.emplace(key, shared_collective_seconds(in.op, in.bytes, program.groups.at(in.group).ranks)).first;
       t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
     } else if (in.op == Op::Send || in.op == Op::Recv) {
       const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
@@ -363,10 +376,9 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   return tl;
 }
 
-Timeline estimate(const Scenario& sc, const Program& program) {
-  if (program.chains.empty()) return evaluate_program(program, instruction_seconds(sc, program));
+Timeline estimate(const Scenario& sc, const Program& program, CollectivePrices* shared) {
   std::vector<double> members;
-  Timeline tl = evaluate_program(program, instruction_seconds(sc, program, &members));
+  Timeline tl = evaluate_program(program, instruction_seconds(sc, program, &members, shared));
   tl.chain_member_seconds = std::move(members);
   return tl;
 }

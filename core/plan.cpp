@@ -405,7 +405,7 @@ struct Evaluation {
   std::vector<double> busy;  // [rank index * kStreams + stream] seconds
 };
 
-Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, bool busy = false) {
+Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, CollectivePrices* prices, bool busy = false) {
   Scenario s = sc;
   s.training.grad_accum = grad_accum;
   s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
@@ -413,7 +413,7 @@ Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, bool b
   bo.representative_only = true;
   bo.collapse_chains = collapse;
   const Program program = build_program(s, bo);
-  const Timeline tl = estimate(s, program);
+  const Timeline tl = estimate(s, program, prices);
   Evaluation r;
   r.score.iteration_seconds = tl.makespan;
   if (!program.ranks.empty()) r.score.time = attribute_time(program, tl, critical_rank_index(tl));
@@ -515,9 +515,9 @@ std::array<int, 3> extrapolation_points(const Scenario& sc) {
   return {m1, m2, m3};
 }
 
-PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse) {
+PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, CollectivePrices* prices) {
   const auto [m1, m2, m3] = exact ? std::array<int, 3>{0, 0, 0} : extrapolation_points(sc);
-  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse).score;
+  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
   // Steady between two evaluations: no stream of any rank is busy longer per micro-batch than the
   // makespan grows (one that is falls further behind with every micro-batch: a slower stage whose
   // line has not taken over yet).
@@ -528,14 +528,14 @@ PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse) {
       busiest = std::max(busiest, (y.busy[i] - x.busy[i]) / (my - mx));
     return busiest <= slope * (1 + 1e-6);
   };
-  const Evaluation ea = evaluate_at(sc, m1, collapse, true), eb = evaluate_at(sc, m2, collapse, true);
-  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse).score;
-  const Evaluation ec = evaluate_at(sc, m3, collapse, true);
+  const Evaluation ea = evaluate_at(sc, m1, collapse, prices, true), eb = evaluate_at(sc, m2, collapse, prices, true);
+  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
+  const Evaluation ec = evaluate_at(sc, m3, collapse, prices, true);
   const PlanScore &a = ea.score, &b = eb.score, &c = ec.score;
   const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
   const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
   if (std::abs(s23 - s12) > 1e-6 * std::abs(s23) || !steady(eb, ec, m2, m3))
-    return evaluate_at(sc, sc.training.grad_accum, collapse).score;  // not steady yet
+    return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;  // not steady yet
   const double k = double(sc.training.grad_accum - m2) / double(m3 - m2);
   auto line = [&](double x, double y) { return x + k * (y - x); };
   PlanScore r;
@@ -630,9 +630,10 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
   pr.total = total;
   pr.fitting = total;
   res.ranked.reserve(total);
+  CollectivePrices prices;  // every point of this search runs on the same cluster
   for (size_t i = 0; i < total; ++i) {
     const Candidate& c = fitting[i];
-    const PlanScore score = score_scenario(c.scenario, o.exact);
+    const PlanScore score = score_scenario(c.scenario, o.exact, true, &prices);
     if (score.extrapolated) ++res.extrapolated;
     Report r;
     r.iteration_seconds = score.iteration_seconds;

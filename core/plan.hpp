@@ -116,7 +116,9 @@ struct PlanScore {
 // enough to gain from it and they are steady (and exactly otherwise). With collapse (what plan
 // uses), the Programs are built with BuildOptions::collapse_chains: the same timeline, far fewer
 // instructions (within 1e-9 of the uncollapsed Program: the sums of the chains round differently).
-PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true);
+struct CollectivePrices;  // core/estimator.hpp
+// `prices`, when given, keeps collective prices across calls: only for scenarios of one cluster.
+PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true, CollectivePrices* prices = nullptr);
 // A point that core/validate certainly refuses once applied to `base` (a subset of its rules,
 // checked on the point's values): the search counts it as refused without building its scenario.
 bool refused_early(const Scenario& base, const PlanPoint&);
