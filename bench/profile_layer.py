@@ -33,15 +33,47 @@ def block_params(h, f, dtype, dev):
 
 
 UNBIND = False
+QKV_FUNCTION = False
+
+
+class QkvAttention(torch.autograd.Function):
+    """Causal attention on q, k, v read from the QKV projection's output [B, S, 3h] (as
+    backends/torch/gpt.cpp's QkvAttention): the backward writes dq, dk, dv straight into one
+    [B, S, 3, heads, d] gradient instead of autograd's stack + contiguous copy of unbind / permute."""
+
+    @staticmethod
+    def forward(ctx, qkv, heads):
+        B, S, three_h = qkv.shape
+        d = three_h // 3 // heads
+        with torch.enable_grad():
+            base = qkv.detach().view(B, S, 3, heads, d)
+            q, k, v = (base[:, :, i].transpose(1, 2).requires_grad_(True) for i in range(3))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx.graph = (q, k, v, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, out = ctx.graph
+        dq, dk, dv = torch.autograd.grad([out], [q, k, v], [go])
+        B, heads, S, d = dq.shape
+        g = torch.empty(B, S, 3, heads, d, dtype=dq.dtype, device=dq.device)
+        for i, t in enumerate((dq, dk, dv)):
+            g[:, :, i].copy_(t.transpose(1, 2))
+        del ctx.graph
+        return g.view(B, S, 3 * heads * d), None
 
 
 def block(ps, x, heads):
     B, S, h = x.shape
     d = h // heads
     y = F.layer_norm(x, (h,), ps[0], ps[1], 1e-5)
-    qkv = F.linear(y, ps[2], ps[3]).view(B, S, 3, heads, d).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0) if UNBIND else (qkv[0], qkv[1], qkv[2])
-    core = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if QKV_FUNCTION:
+        core = QkvAttention.apply(F.linear(y, ps[2], ps[3]), heads)
+    else:
+        qkv = F.linear(y, ps[2], ps[3]).view(B, S, 3, heads, d).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0) if UNBIND else (qkv[0], qkv[1], qkv[2])
+        core = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     att = core.transpose(1, 2).reshape(B, S, h)
     x1 = x + F.linear(att, ps[4], ps[5])
     y2 = F.layer_norm(x1, (h,), ps[6], ps[7], 1e-5)
@@ -63,6 +95,9 @@ def category(name):
     return "other: " + name[:40]
 
 
+RAW = False
+
+
 def profile(fn, iters=3):
     from torch.profiler import ProfilerActivity, profile as prof
     fn()
@@ -78,7 +113,7 @@ def profile(fn, iters=3):
         us = getattr(e, "self_device_time_total", None)
         if us is None:
             us = getattr(e, "self_cuda_time_total", 0.0)
-        by[category(e.key)] += us / 1e6 / iters
+        by[e.key[:90] if RAW else category(e.key)] += us / 1e6 / iters
     return by
 
 
@@ -91,10 +126,15 @@ def main():
     ap.add_argument("--vocab", type=int, default=51200)
     ap.add_argument("--select", action="store_true", help="q, k, v = qkv[i] instead of gpt.cpp's qkv.unbind(0)")
     ap.add_argument("--block-only", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="one row per kernel name instead of per group")
+    ap.add_argument("--qkv-function", action="store_true", help="QkvAttention (one gradient write) instead of unbind")
     ap.add_argument("--compile", action="store_true", help="the block and the head under torch.compile (what Inductor fuses)")
     a = ap.parse_args()
-    global UNBIND
+    global UNBIND, RAW
     UNBIND = not a.select
+    RAW = a.kernels
+    global QKV_FUNCTION
+    QKV_FUNCTION = a.qkv_function
     dev, dt = "cuda", torch.bfloat16
     blk = torch.compile(block) if a.compile else block
     h, f, B, S = a.hidden, 4 * a.hidden, a.tokens // a.seq, a.seq
@@ -132,6 +172,20 @@ def main():
         hl(xh, lnw, lnb, wte, tgt).backward()
         xh.grad = None
 
+    if a.qkv_function:  # the same gradients as the unbind path
+        grads = []
+        for flag in (False, True):
+            QKV_FUNCTION = flag
+            for p in ps:
+                p.grad.zero_()
+            out = block(ps, x, a.heads)
+            torch.autograd.backward([out], [g])
+            grads.append([x.grad.float().clone()] + [p.grad.float().clone() for p in ps] + [out.detach().float()])
+            x.grad = None
+        QKV_FUNCTION = True
+        diff = max((u - w).abs().max().item() for u, w in zip(*grads))
+        scale = max(u.abs().max().item() for u in grads[0])
+        print(f"QkvAttention vs unbind: max |difference| of output, input and parameter gradients {diff:.3e} (largest value {scale:.3e})")
     rows = []
     qs = [torch.randn(B, a.heads, S, h // a.heads, dtype=dt, device=dev).requires_grad_(True) for _ in range(3)]
     go = torch.randn(B, a.heads, S, h // a.heads, dtype=dt, device=dev)
@@ -157,15 +211,16 @@ def main():
         torch.cuda.synchronize()
         print(f"\n{label}{' (torch.compile)' if a.compile else ''}: peak memory of forward + backward {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         print(f"{label}: h {h}, tokens {a.tokens}, seq {S} (ms per call)")
-        print(f"  {'kernel group':34s} {'forward':>9s} {'backward':>9s}")
+        W = 90 if RAW else 34
+        print(f"  {'kernel group':{W}s} {'forward':>9s} {'backward':>9s}")
         tf = tb = 0.0
         for c in cats:
             vf = fw.get(c, 0.0) * 1e3
             vb = max(0.0, both.get(c, 0.0) * 1e3 - vf)
             tf += vf
             tb += vb
-            print(f"  {c:34s} {vf:9.3f} {vb:9.3f}")
-        print(f"  {'total':34s} {tf:9.3f} {tb:9.3f}   backward / forward {tb / tf if tf else 0:.2f}")
+            print(f"  {c:{W}s} {vf:9.3f} {vb:9.3f}")
+        print(f"  {'total':{W}s} {tf:9.3f} {tb:9.3f}   backward / forward {tb / tf if tf else 0:.2f}")
         rows.append((label, tf, tb))
 
 

@@ -1,5 +1,6 @@
 #include "backends/torch/gpt.hpp"
 
+#include <array>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
@@ -246,29 +247,66 @@ at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vect
 }
 
 namespace {
-// Selective activation checkpointing (Korthikanti et al. 2022): the attention core keeps only its
-// inputs and is recomputed in backward.
-struct RecomputedAttention : torch::autograd::Function<RecomputedAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v) {
-    ctx->save_for_backward({q, k, v});
-    at::NoGradGuard ng;
-    return causal_attention(q, k, v);
+// Causal attention over q, k, v read from the QKV projection's output [B, S, 3 x a x d]. Autograd's
+// own path (view, permute, unbind) assembles the QKV gradient with two full copies: unbind's
+// backward stacks dq, dk, dv into [3, B, a, S, d], and the permute / view backward makes that
+// contiguous again as [B, S, 3, a, d]. Here the backward writes dq, dk, dv straight into one
+// [B, S, 3, a, d] gradient (one strided copy of each); the gradients are the same to the bit
+// (tests/torch: QkvAttention). With `recompute` (selective activation checkpointing, Korthikanti et
+// al. 2022, where no fused kernel keeps the scores out of memory) it keeps only its input and
+// recomputes the core in backward.
+struct QkvAttention : torch::autograd::Function<QkvAttention> {
+  // q, k, v as [B, a, S, d] views of qkv (leaves of their own graph with `grad`).
+  static std::array<at::Tensor, 3> split(const at::Tensor& qkv, int64_t heads, bool grad) {
+    const int64_t B = qkv.size(0), S = qkv.size(1), d = qkv.size(2) / 3 / heads;
+    auto base = qkv.detach().view({B, S, 3, heads, d});
+    std::array<at::Tensor, 3> out;
+    for (int i = 0; i < 3; ++i) out[i] = base.select(2, i).transpose(1, 2).requires_grad_(grad);
+    return out;
+  }
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, int64_t heads, bool recompute) {
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["recompute"] = recompute;
+    if (recompute || !qkv.requires_grad()) {
+      if (recompute) ctx->save_for_backward({qkv});
+      auto q = split(qkv, heads, false);
+      return causal_attention(q[0], q[1], q[2]);
+    }
+    at::AutoGradMode enable(true);  // the core's own graph, kept for backward (its saved tensors)
+    auto q = split(qkv, heads, true);
+    auto out = causal_attention(q[0], q[1], q[2]);
+    ctx->saved_data["q"] = q[0];
+    ctx->saved_data["k"] = q[1];
+    ctx->saved_data["v"] = q[2];
+    ctx->saved_data["out"] = out;
+    return out.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
-    auto saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> in;
-    for (auto& t : saved) in.push_back(t.detach().requires_grad_(true));
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    std::array<at::Tensor, 3> q;
     at::Tensor out;
-    {
+    if (ctx->saved_data["recompute"].toBool()) {
       at::AutoGradMode enable(true);
-      out = causal_attention(in[0], in[1], in[2]);
+      q = split(ctx->get_saved_variables()[0], heads, true);
+      out = causal_attention(q[0], q[1], q[2]);
+    } else {
+      q = {ctx->saved_data["q"].toTensor(), ctx->saved_data["k"].toTensor(), ctx->saved_data["v"].toTensor()};
+      out = ctx->saved_data["out"].toTensor();
     }
-    return torch::autograd::grad({out}, {in[0], in[1], in[2]}, {grad_out[0]});
+    ctx->saved_data.clear();  // the core's graph goes with its saved tensors
+    auto g = torch::autograd::grad({out}, {q[0], q[1], q[2]}, {grad_out[0]});
+    const int64_t B = g[0].size(0), S = g[0].size(2), d = g[0].size(3);
+    auto dqkv = at::empty({B, S, 3, heads, d}, g[0].options());
+    for (int i = 0; i < 3; ++i) dqkv.select(2, i).copy_(g[i].transpose(1, 2));
+    return {dqkv.view({B, S, 3 * heads * d}), at::Tensor(), at::Tensor()};
   }
 };
 }  // namespace
+
+at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, bool recompute) {
+  return QkvAttention::apply(qkv, heads, recompute);
+}
 
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
                          const at::Tensor& x_in, bool recompute_attention, MoeLayer* moe) {
@@ -278,15 +316,11 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
   if (!tp.active()) {
     const int64_t B = x.size(0), S = x.size(1);
     auto y = layer_norm(x, h, v[0], v[1]);
-    // unbind, not qkv[i]: select's backward would zero-fill a whole qkv-sized gradient per part and
-    // add the three (about 5 % of the block's backward on an H200); unbind's stacks them once.
     // LoRA adapters (lora.hpp) follow the block's 12 tensors.
     const auto lin = [&](LoraTarget t, const at::Tensor& in, int w) {
       return lora_add(c, v, 12, t, in, at::linear(in, v[w], v[w + 1]));
     };
-    auto qkv = lin(LoraTarget::qkv, y, 2).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-    auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
-                                    : causal_attention(qkv[0], qkv[1], qkv[2]);
+    auto core = qkv_attention(lin(LoraTarget::qkv, y, 2), a, recompute_attention);
     auto att = core.transpose(1, 2).reshape({B, S, h});
     auto x1 = x + lin(LoraTarget::o, att, 4);
     auto y2 = layer_norm(x1, h, v[6], v[7]);
@@ -302,9 +336,7 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
   // layers added after the reduction.
   auto y = enter_tp_region(tp, layer_norm(x, h, v[0], v[1]));
   const int64_t B = y.size(0), S = y.size(1);
-  auto qkv = at::linear(y, v[2], v[3]).view({B, S, 3, a, d}).permute({2, 0, 3, 1, 4}).unbind(0);
-  auto core = recompute_attention ? RecomputedAttention::apply(qkv[0], qkv[1], qkv[2])
-                                  : causal_attention(qkv[0], qkv[1], qkv[2]);
+  auto core = qkv_attention(at::linear(y, v[2], v[3]), a, recompute_attention);
   auto att = core.transpose(1, 2).reshape({B, S, hl});
   auto x1 = x + (leave_tp_region(tp, at::linear(att, v[4])) + v[5]);
   if (moe) {  // whole tokens into the MoE layer (no f: it drops and gathers them itself, moe.hpp)

@@ -78,6 +78,10 @@ void init_unit(const GptConfig& c, int unit, at::Tensor flat, uint64_t seed);
 // Activations between units are [b, s, h] ([b, s/t, h] with sequence parallelism).
 at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& embed,
                          const at::Tensor& tokens);
+// Causal attention of `heads` heads over the QKV projection's output [B, S, 3 x heads x d], as
+// [B, heads, S, d]; its backward writes the QKV gradient in one pass (gpt.cpp's QkvAttention).
+// `recompute`: only qkv is kept, the core is recomputed in backward.
+at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, bool recompute = false);
 // recompute_attention: selective checkpointing, the attention core is recomputed in backward.
 // `moe`: a MoE layer's experts and routing context (its l_aux is left in moe->l_aux).
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
