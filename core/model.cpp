@@ -305,12 +305,12 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     for (LayerOp& op : ops)
       if (op.attention_core) op.op_sac_recompute = 0;
   ops.push_back(gemm_op("attention_proj", 1, tokens, h, h / t, e));
-  // Backward-only layout copies around the attention core, read + write, qkv_width + h wide (/ t).
-  // Fused attention as dssim's engine runs it (PyTorch SDPA, backends/torch/gpt.cpp's
-  // QkvAttention): the output's gradient made contiguous for the attention backward (h) and dq, dk,
-  // dv written once into the QKV gradient (qkv_width). Megatron's unfused attention: dq, dk, dv
-  // concatenated into the QKV gradient and the context gradient permuted back (the same widths).
-  const double layout_width = qkv_width + h;
+  // Backward-only layout copies around the attention core, read + write. Fused attention as
+  // dssim's engine runs it (PyTorch SDPA): the output's gradient made contiguous for the attention
+  // backward (h/t wide), dq, dk, dv stacked into the QKV gradient and that permuted gradient made
+  // contiguous for the QKV linear (3h/t wide each). Megatron's unfused attention: dq, dk, dv
+  // concatenated into the QKV gradient (3h/t) and the context gradient permuted back (h/t).
+  const double layout_width = m.flash_attention ? h + 2 * qkv_width : qkv_width + h;
   LayerOp layout = elementwise_op("attention_layout_copies", tokens * layout_width / t, 0, 2 * e);
   layout.kernel = "attention_layout_copies";  // strided copies: their own profile row
   layout.backward_only = true;

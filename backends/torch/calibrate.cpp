@@ -521,18 +521,17 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
         }
     });
     family("attention_layout_copies", [&] {
-      // The copies around the attention core (gpt.cpp's QkvAttention backward): dq, dk, dv
-      // ([B, a, S, d] each) written into one [B, S, 3, a, d] QKV gradient, and the output's
-      // gradient made contiguous for the attention backward. Bytes 2 e x 4 T h (core/model.cpp's
-      // attention_layout_copies op).
+      // The copies autograd makes around the attention core (gpt.cpp's block): dq, dk, dv stacked
+      // by unbind's backward, that [3, B, a, S, d] gradient permuted back and made contiguous for
+      // the QKV linear, the output's gradient made contiguous for the attention backward.
+      // Bytes 2 e x 7 T h (core/model.cpp's attention_layout_copies op).
       for (int64_t h : g.bwd_hidden)
         for (int64_t t : g.bwd_tokens) {
           const int64_t s = std::min<int64_t>(t, 2048), b = t / s, d = std::min<int64_t>(h, 128), a = h / d;
-          std::array<at::Tensor, 3> dqkv{at::randn({b, a, s, d}, opts), at::randn({b, a, s, d}, opts),
-                                         at::randn({b, a, s, d}, opts)};
-          at::Tensor dout = at::randn({b, s, a, d}, opts), g3 = at::empty({b, s, 3, a, d}, opts);
-          record("attention_layout_copies", 2 * e * 4 * double(t) * h, timer.measure([&] {
-            for (int i = 0; i < 3; ++i) g3.select(2, i).copy_(dqkv[i].transpose(1, 2));
+          at::Tensor dq = at::randn({b, a, s, d}, opts), dk = at::randn({b, a, s, d}, opts),
+                     dv = at::randn({b, a, s, d}, opts), dout = at::randn({b, s, a, d}, opts);
+          record("attention_layout_copies", 2 * e * 7 * double(t) * h, timer.measure([&] {
+            (void)at::stack({dq, dk, dv}, 0).permute({1, 3, 0, 2, 4}).contiguous();
             (void)dout.transpose(1, 2).contiguous();
           }, budget));
         }

@@ -179,7 +179,7 @@ TEST_CASE("backward and recompute costs", "[model]") {
   CHECK(bwd.kernels > fwd.kernels);
   // Backward bytes: GEMMs 2x; LayerNorm 5 e N (dx, then dgain / dbias re-reading dy and x), GELU
   // 3 e N, dropout + residual (5 e + 1) N, the rest 2x the forward; plus the backward-only ops:
-  // layout copies 2 e x 4 T h, bias gradients e T (3h + h + f + h), gradient accumulation 3 e per
+  // layout copies 2 e x 7 T h, bias gradients e T (3h + h + f + h), gradient accumulation 3 e per
   // parameter.
   {
     const double T = 4 * 2048.0, h = 1024, f = 4 * h, e = 2;
@@ -191,7 +191,7 @@ TEST_CASE("backward and recompute costs", "[model]") {
       else if (op.name.rfind("dropout_residual", 0) == 0) expect += (5 * e + 1) * T * h;
       else if (!op.backward_only) expect += 2 * op.memory_bytes;
     }
-    expect += 2 * e * 4 * T * h + e * T * (5 * h + f) + 3 * e * dense_layer_params(m);
+    expect += 2 * e * 7 * T * h + e * T * (5 * h + f) + 3 * e * dense_layer_params(m);
     CHECK(bwd.memory_bytes == Approx(expect));
   }
   // Without dropout the residual's backward is the gradient sum at the fork: 3 e N.
