@@ -213,13 +213,36 @@ LayerOp layernorm_op(const std::string& name, double tokens, double h, double e)
   return op;
 }
 
+// Eager PyTorch (model.elementwise: eager, ModelSpec::eager_elementwise): the composite ops of a
+// hand-written Llama block, HBM bytes per element summed over their kernels, each kernel reading
+// its inputs and writing its output once. Read in torchtitan at 9dec370 (models/norms.py RMSNorm,
+// models/llama/model.py apply_rotary_emb, repeat_kv, FeedForward); backward kernels as autograd
+// runs them (PyTorch tools/autograd/derivatives.yaml: mul, pow, mean, _to_copy, view_as_complex).
+// e is the activations' width; the fp32 casts (x.float(), type_as) are no-ops in fp32 training.
+double eager_cast_bytes(double e) { return e == 4 ? 0 : e + 4; }  // read e, write fp32 (or back)
+// RMSNorm forward: x.float(), pow(2) 8, mean(-1) 4, x * rsqrt(...) 8, type_as(x), * weight 2e.
+double eager_rmsnorm_forward_bytes(double e) { return 2 * eager_cast_bytes(e) + 20 + 2 * e; }
+// RMSNorm backward: * weight (dy w 2e; dw = sum(dy y) 3e + e), type_as's cast, x * r (dy r 8;
+// dr = sum(dy x) 12 + 4), mean's expand / h 4, pow's 2 x^1 dy (x.pow(1) 8, * 2 8, * dy 12), the two
+// gradients of x.float() summed 12, x.float()'s cast: 6e + 2 casts + 68 (92 in bf16).
+double eager_rmsnorm_backward_bytes(double e) { return 6 * e + 2 * eager_cast_bytes(e) + 68; }
+// Rotary on q and k: float(), the complex multiply by freqs_cis (read and write complex64: 4 + 4
+// per real element), type_as; backward the same three kernels in reverse.
+double eager_rotary_bytes(double e) { return 2 * eager_cast_bytes(e) + 8; }
+
 // The model's norm: LayerNorm ("layernorm_<suffix>"), or RMSNorm ("rmsnorm_<suffix>": the gain
 // only, no mean; the same bytes per element forward and backward, priced by the layer_norm rows).
+// Eager RMSNorm: its kernels' bytes, priced by the HBM roofline (no fused-kernel profile row).
 LayerOp norm_op(const ModelSpec& m, const std::string& prefix, const std::string& suffix, double tokens,
                 double h, double e) {
   if (!m.rmsnorm) return layernorm_op(prefix + "layernorm" + suffix, tokens, h, e);
   LayerOp op = elementwise_op(prefix + "rmsnorm" + suffix, tokens * h, kRmsNormFlopsPerElement, 2 * e);
   op.memory_bytes += h * e;  // gain
+  if (m.eager_elementwise) {
+    op.memory_bytes = eager_rmsnorm_forward_bytes(e) * tokens * h + h * e;
+    op.backward_bytes = eager_rmsnorm_backward_bytes(e) * tokens * h;
+    return op;
+  }
   op.kernel = "layer_norm";
   op.backward_bytes = 5 * e * tokens * h;
   op.backward_kernel = "layer_norm_backward";
@@ -229,8 +252,15 @@ LayerOp norm_op(const ModelSpec& m, const std::string& prefix, const std::string
 // SwiGLU's elementwise silu(gate) * up over `elements` outputs [L]: reads both GEMM outputs, writes
 // one; backward reads dy, gate, up and writes dgate, dup. Priced by the gelu rows (an activation
 // kernel of the same kind).
-LayerOp swiglu_op(double elements, double e) {
+// Eager (F.silu(w1(x)) * w3(x)): silu 2e and mul 3e forward; backward the mul's two products
+// (dy up, dy silu(gate): 3e each) and silu's backward (dy, gate -> dgate: 3e).
+LayerOp swiglu_op(double elements, double e, bool eager = false) {
   LayerOp op = elementwise_op("swiglu", elements, kSwigluFlopsPerElement, 3 * e);
+  if (eager) {
+    op.memory_bytes = 5 * e * elements;
+    op.backward_bytes = 9 * e * elements;
+    return op;
+  }
   op.kernel = "gelu";
   op.backward_bytes = 5 * e * elements;
   op.backward_kernel = "gelu_backward";
@@ -290,10 +320,18 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     // [L] rotary embedding applied to q and k (h + kv wide per token, TP-split) with the s x
     // head_dim cos / sin tables; backward rotates the gradients back (the same bytes).
     const double elements = tokens * (h + kv) / t;
-    LayerOp rope = elementwise_op("rotary", elements, kRotaryFlopsPerElement, 2 * e);
+    LayerOp rope = elementwise_op("rotary", elements, kRotaryFlopsPerElement,
+                                  m.eager_elementwise ? eager_rotary_bytes(e) : 2 * e);
     rope.memory_bytes += 2 * s * head_dim * e;
     rope.backward_bytes = rope.memory_bytes;
     ops.push_back(rope);
+  }
+  if (m.eager_elementwise && kv < h) {
+    // Eager GQA (torchtitan repeat_kv): k and v expanded to every query head and reshaped, a copy
+    // (read kv wide, write h wide, each); backward sums each group's gradients (read h, write kv).
+    LayerOp repeat = elementwise_op("repeat_kv", 2 * tokens * (kv + h) / t, 0, e);
+    repeat.backward_bytes = repeat.memory_bytes;
+    ops.push_back(repeat);
   }
   ops.push_back(gemm_op("attention_scores", b * local_heads, s, s, head_dim, e, true));
   ops.push_back(elementwise_op("softmax", score_elements, kSoftmaxFlopsPerElement, 2 * e, true));
@@ -324,7 +362,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
       ops.push_back(gemm_op("mlp_gate", 1, tokens, f / t, h, e));
       ops.back().op_sac_recompute = 0;  // op-level SAC: the 5th matmul (w1), saved
       ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
-      ops.push_back(swiglu_op(tokens * f / t, e));
+      ops.push_back(swiglu_op(tokens * f / t, e, m.eager_elementwise));
     } else {
       ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
       ops.back().op_sac_recompute = 0;  // op-level SAC: the 5th matmul, saved
@@ -365,7 +403,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     if (m.swiglu) {
       ops.push_back(gemm_op("mlp_gate", local_experts, tokens_per_expert, f, h, e));
       ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
-      ops.push_back(swiglu_op(routed_tokens * f, e));
+      ops.push_back(swiglu_op(routed_tokens * f, e, m.eager_elementwise));
     } else {
       ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
       LayerOp gelu = elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e);

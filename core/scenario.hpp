@@ -41,6 +41,13 @@ struct ModelSpec {
   bool rmsnorm = false;          // norms: RMSNorm (weight only) instead of LayerNorm (weight + bias)
   bool rotary = false;           // positions: rotary (no wpe table; elementwise on q and k) instead of learned
   bool bias = true;              // biases in the linear layers (Llama: none)
+  // How the Llama-shaped elementwise ops run (`model.elementwise`): `fused` (default) one kernel per
+  // RMSNorm, rotary, SwiGLU, as Megatron's and dssim's engine run them; `eager` the composite
+  // PyTorch ops of a hand-written Llama block without torch.compile (torchtitan's RMSNorm with its
+  // fp32 casts, complex-number rotary, silu then mul, repeat_kv's copies for GQA), kernel by
+  // kernel (core/model.cpp, docs/simulator.md "Eager elementwise ops"). LayerNorm and GeLU are one
+  // native PyTorch kernel either way.
+  bool eager_elementwise = false;
   // Attention kernel: fused flash attention (s x s scores never reach HBM, nothing of size s^2
   // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
   // written to HBM and kept: Korthikanti's 5as/h activation term).

@@ -218,6 +218,9 @@ const std::vector<Field>& fields() {
     add("model.norm", [](Scenario& s, const Entry& e) { s.model.rmsnorm = get_enum(e, {"layernorm", "rmsnorm"}) == "rmsnorm"; });
     add("model.position", [](Scenario& s, const Entry& e) { s.model.rotary = get_enum(e, {"learned", "rotary"}) == "rotary"; });
     add("model.bias", [](Scenario& s, const Entry& e) { s.model.bias = get_bool(e); });
+    add("model.elementwise", [](Scenario& s, const Entry& e) {
+      s.model.eager_elementwise = get_enum(e, {"fused", "eager"}) == "eager";
+    });
     // training
     add("training.global_batch", [](Scenario& s, const Entry& e) { s.training.global_batch = get_int(e, 1); });
     add("training.micro_batch", [](Scenario& s, const Entry& e) { s.training.micro_batch = get_int32(e, 1); });
@@ -981,6 +984,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "norm" << YAML::Value << (m.rmsnorm ? "rmsnorm" : "layernorm");
   y << YAML::Key << "position" << YAML::Value << (m.rotary ? "rotary" : "learned");
   y << YAML::Key << "bias" << YAML::Value << m.bias;
+  y << YAML::Key << "elementwise" << YAML::Value << (m.eager_elementwise ? "eager" : "fused");
   y << YAML::EndMap;
   const auto& t = s.training;
   y << YAML::Key << "training" << YAML::Value << YAML::BeginMap;

@@ -216,6 +216,62 @@ TEST_CASE("SwiGLU / GQA layer FLOPs: hand-derived closed form", "[model][llama]"
   CHECK(find_op(head, "grad_accumulate")->memory_bytes == 3 * 2 * (V / t * h + h));
 }
 
+TEST_CASE("eager elementwise ops: torchtitan's RMSNorm, rotary, repeat_kv, SwiGLU kernel by kernel", "[model][llama]") {
+  // model.elementwise: eager (core/model.cpp): bytes per element summed over the eager kernels,
+  // bf16 activations (e = 2, casts to fp32 6 bytes each).
+  ModelSpec m = llama8b();
+  LayerShape shape;
+  shape.micro_batch = 2;
+  const double s = 8192, h = 4096, kv = 1024, f = 14336, T = 2 * s;
+  const auto fused = layer_forward_ops(m, shape);
+  m.eager_elementwise = true;
+  const auto ops = layer_forward_ops(m, shape);
+  // RMSNorm forward: float 6, pow 8, mean 4, mul 8, type_as 6, * weight 4 = 36, plus the gain;
+  // backward 6e + 2 casts + 68 = 92.
+  const LayerOp* norm = find_op(ops, "rmsnorm_1");
+  REQUIRE(norm);
+  CHECK(norm->memory_bytes == 36 * T * h + 2 * h);
+  CHECK(norm->backward_memory_bytes() == 92 * T * h);
+  CHECK(norm->kernel.empty());  // no fused layer_norm profile row for a chain of kernels
+  // Rotary on q and k: float 6, complex multiply 8, type_as 6 = 20, the tables as before; backward alike.
+  const LayerOp* rope = find_op(ops, "rotary");
+  REQUIRE(rope);
+  CHECK(rope->memory_bytes == 20 * T * (h + kv) + 2 * 2 * s * (h / 32));
+  CHECK(rope->backward_memory_bytes() == rope->memory_bytes);
+  // repeat_kv: k and v each read kv wide and written h wide; backward the group sums.
+  const LayerOp* repeat = find_op(ops, "repeat_kv");
+  REQUIRE(repeat);
+  CHECK(repeat->memory_bytes == 2 * 2 * T * (kv + h));
+  CHECK(repeat->backward_memory_bytes() == repeat->memory_bytes);
+  CHECK_FALSE(find_op(fused, "repeat_kv"));
+  // SwiGLU: silu 4 + mul 6 forward, backward two products and silu's backward, 18, per element.
+  const LayerOp* swiglu = find_op(ops, "swiglu");
+  REQUIRE(swiglu);
+  CHECK(swiglu->memory_bytes == 10 * T * f);
+  CHECK(swiglu->backward_memory_bytes() == 18 * T * f);
+  // Nothing else changes: the GEMMs and the other ops are the fused list's.
+  CHECK(ops.size() == fused.size() + 1);
+  CHECK(sum_cost(ops).gemm_flops == sum_cost(fused).gemm_flops);
+  // Multi-head attention has nothing to repeat; fp32 training has no casts (RMSNorm 20 + 8 forward).
+  m.kv_heads = 0;
+  shape.dtype = Dtype::fp32;
+  const auto mha = layer_forward_ops(m, shape);
+  CHECK_FALSE(find_op(mha, "repeat_kv"));
+  CHECK(find_op(mha, "rmsnorm_1")->memory_bytes == 28 * T * h + 4 * h);
+  CHECK(find_op(mha, "rmsnorm_1")->backward_memory_bytes() == 92 * T * h);  // 6 x 4 + 68
+  CHECK(find_op(mha, "rotary")->memory_bytes == 8 * T * 2 * h + 2 * 4 * s * (h / 32));
+  // The key, and its round trip.
+  const Scenario sc = load_scenario_from_string(
+      "model: {preset: llama3-8b, elementwise: eager}\ntraining: {micro_batch: 1}\ncluster: {preset: dgx-h100-ndr}\n");
+  CHECK(sc.model.eager_elementwise);
+  CHECK(load_scenario_from_string(to_yaml(sc), {}, "<roundtrip>").model.eager_elementwise);
+  CHECK_THAT(test::config_error([] {
+               load_scenario_from_string("model: {preset: tiny, elementwise: compiled}\ntraining: {micro_batch: 1}\n"
+                                         "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n");
+             }),
+             Contains("model.elementwise") && Contains("eager"));
+}
+
 TEST_CASE("Mixtral MoE layer: SwiGLU experts batched over the local experts", "[model][llama][moe]") {
   const ModelSpec m = preset("mixtral-8x7b");
   LayerShape shape;
