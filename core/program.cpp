@@ -69,19 +69,21 @@ const char* to_string(GroupKind k) {
   return "?";
 }
 
-uint32_t RankProgram::add(Instruction inst, std::initializer_list<uint32_t> waits_for) {
-  inst.deps_begin = static_cast<uint32_t>(deps.size());
-  inst.deps_count = static_cast<uint32_t>(waits_for.size());
-  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
+uint32_t RankProgram::add(const Instruction& inst, std::initializer_list<uint32_t> waits_for) {
   instructions.push_back(inst);
+  Instruction& in = instructions.back();
+  in.deps_begin = static_cast<uint32_t>(deps.size());
+  in.deps_count = static_cast<uint32_t>(waits_for.size());
+  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
   return static_cast<uint32_t>(instructions.size() - 1);
 }
 
-uint32_t RankProgram::add(Instruction inst, const std::vector<uint32_t>& waits_for) {
-  inst.deps_begin = static_cast<uint32_t>(deps.size());
-  inst.deps_count = static_cast<uint32_t>(waits_for.size());
-  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
+uint32_t RankProgram::add(const Instruction& inst, const std::vector<uint32_t>& waits_for) {
   instructions.push_back(inst);
+  Instruction& in = instructions.back();
+  in.deps_begin = static_cast<uint32_t>(deps.size());
+  in.deps_count = static_cast<uint32_t>(waits_for.size());
+  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
   return static_cast<uint32_t>(instructions.size() - 1);
 }
 

@@ -117,8 +117,9 @@ struct RankProgram {
   std::vector<uint32_t> deps;  // indices into `instructions`, sliced by Instruction::deps_*
 
   // Appends and returns the new instruction's index; `waits_for` are cross-stream dependencies.
-  uint32_t add(Instruction inst, std::initializer_list<uint32_t> waits_for = {});
-  uint32_t add(Instruction inst, const std::vector<uint32_t>& waits_for);
+  // (By reference: the instruction is copied once, into `instructions`.)
+  uint32_t add(const Instruction& inst, std::initializer_list<uint32_t> waits_for = {});
+  uint32_t add(const Instruction& inst, const std::vector<uint32_t>& waits_for);
 };
 
 struct Program {

@@ -816,19 +816,21 @@ class Builder {
   // the id it returns is final: nothing is folded into it later. An instruction of another stream
   // waits for a compute-stream one only through an id from add or compute_tail, so a chain's
   // members other than its last are never waited for.
-  uint32_t add(RankCtx& x, Instruction in, std::initializer_list<uint32_t> waits) {
+  uint32_t add(RankCtx& x, const Instruction& in, std::initializer_list<uint32_t> waits) {
+    const Stream stream = in.stream;  // (read before: `in` may be the caller's only copy)
     const uint32_t id = add_link(x, in, waits);
-    if (in.stream == Stream::Compute) finish_chain(x);
+    if (stream == Stream::Compute) finish_chain(x);
     return id;
   }
 
   // As add, but the instruction stays open for the next compute-stream instruction to fold into
   // (collapse_chains): for instructions whose id the caller does not keep.
-  uint32_t add_link(RankCtx& x, Instruction in, std::initializer_list<uint32_t> waits) {
+  uint32_t add_link(RankCtx& x, const Instruction& in, std::initializer_list<uint32_t> waits) {
     x.deps.clear();
     for (uint32_t w : waits)
       if (w != kNone) x.deps.push_back(w);
-    const bool link = opts_.collapse_chains && in.stream == Stream::Compute && starts_on_arrival(*x.prog, in);
+    const bool compute = in.stream == Stream::Compute;
+    const bool link = opts_.collapse_chains && compute && starts_on_arrival(*x.prog, in);
     if (link && x.chain != kNone) {
       // It starts when the chain's last member ends if it waits for nothing the chain's first did not.
       bool covered = true;
@@ -843,14 +845,14 @@ class Builder {
           prog.chain_members.push_back(head);
           prog.chain_members.back().chain = -1;
         }
-        in.deps_begin = in.deps_count = 0;
         prog.chain_members.push_back(in);
+        prog.chain_members.back().deps_begin = prog.chain_members.back().deps_count = 0;
         ++prog.chains[head.chain].count;
         return x.chain;
       }
     }
     const uint32_t id = x.rp->add(in, x.deps);
-    if (in.stream != Stream::Compute) return id;  // (other streams neither extend nor close the chain)
+    if (!compute) return id;  // (other streams neither extend nor close the chain)
     x.last_compute = id;
     finish_chain(x);
     x.chain = link ? id : kNone;
