@@ -200,9 +200,15 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     for (int s = 0; s < kStreams; ++s) streams[ri][s].clear();  // (their capacity stays: no counting pass)
     for (uint32_t i = 0; i < ins.size(); ++i) {
       const Instruction& in = ins[i];
-      Entry e{i, in.deps_begin, in.deps_count, 0, 0, kPlain, false};
+      // Written in place, field by field (an Entry assembled on the stack and then copied was
+      // read back wider than it was written: a store-forwarding stall on every instruction).
+      Entry& e = streams[ri][static_cast<int>(in.stream)].emplace_back();
+      e.i = i;
+      e.deps_begin = in.deps_begin;
+      e.deps_count = in.deps_count;
       if (is_collective(in.op) && materialized[in.group] > 1) {
         e.kind = kRendezvous;
+        e.send = false;
         e.a = in.group;
         e.b = seq_by_group[in.group]++;
       } else if (in.op == Op::Send || in.op == Op::Recv) {
@@ -213,8 +219,12 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
         min_tag = std::min<int64_t>(min_tag, in.tag);
         max_tag = std::max<int64_t>(max_tag, in.tag);
         ++p2p_count;
+      } else {
+        e.kind = kPlain;
+        e.send = false;
+        e.a = 0;
+        e.b = 0;
       }
-      streams[ri][static_cast<int>(in.stream)].push_back(e);
     }
     cursor[ri].fill(0);
     stream_free[ri].fill(0.0);
