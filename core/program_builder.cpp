@@ -781,6 +781,10 @@ class Builder {
     uint32_t last_compute = kNone;
     Program* prog = nullptr;
     uint32_t chain = kNone;            // collapse_chains: the open chain's instruction
+    // Per (send / recv kind, chunk) the instruction of the first micro-batch: the later ones are
+    // copies with their micro-batch and tag patched in place (p2p_from).
+    std::vector<Instruction> p2p_proto;
+    std::vector<char> p2p_made;
     std::vector<uint32_t> chain_deps;  // and what its first member waits for
     // collapse_chains: per (chunk, forward / backward) the one instruction a micro-batch's pass
     // emits (emit_compute_action), and whether it waits for the micro-batch's Recv.
@@ -974,6 +978,8 @@ class Builder {
     x.fwd_out.assign(v_ * M_, kNone);
     x.bwd_out.assign(v_ * M_, kNone);
     x.templates.assign(2 * v_, {});
+    x.p2p_proto.assign(4 * v_, Instruction{});
+    x.p2p_made.assign(4 * v_, 0);
 
     // Stage 3: the compute segments in program order (for the prefetching gathers).
     std::vector<SegRef> segs;
@@ -992,44 +998,49 @@ class Builder {
       const Chunk& ch = plan.chunks[a.chunk];
       const int slot = a.chunk * M_ + a.mb;
       switch (a.act) {
-        case Act::RecvAct: {
-          Instruction in = make(Op::Recv, engine_.p2p_stream, Purpose::PipelineActivation, a.mb, a.chunk);
-          in.peer = peer_of(x.c, ch.vs - 1);
-          in.tag = tag_of(ch.vs - 1, a.mb, 0);
-          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
-          x.recv_act[slot] = add(x, in, {});
+        case Act::RecvAct:
+          x.recv_act[slot] = add_p2p(x, 0, a, Op::Recv, Purpose::PipelineActivation, peer_of(x.c, ch.vs - 1),
+                                     tag_of(ch.vs - 1, a.mb, 0), kNone);
           break;
-        }
-        case Act::SendAct: {
-          Instruction in = make(Op::Send, engine_.p2p_stream, Purpose::PipelineActivation, a.mb, a.chunk);
-          in.peer = peer_of(x.c, ch.vs + 1);
-          in.tag = tag_of(ch.vs, a.mb, 0);
-          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
-          add(x, in, {x.fwd_out[slot]});
+        case Act::SendAct:
+          add_p2p(x, 1, a, Op::Send, Purpose::PipelineActivation, peer_of(x.c, ch.vs + 1), tag_of(ch.vs, a.mb, 0),
+                  x.fwd_out[slot]);
           break;
-        }
-        case Act::RecvGrad: {
-          Instruction in = make(Op::Recv, engine_.p2p_stream, Purpose::PipelineGradient, a.mb, a.chunk);
-          in.peer = peer_of(x.c, ch.vs + 1);
-          in.tag = tag_of(ch.vs + 1, a.mb, 1);
-          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
-          x.recv_grad[slot] = add(x, in, {});
+        case Act::RecvGrad:
+          x.recv_grad[slot] = add_p2p(x, 2, a, Op::Recv, Purpose::PipelineGradient, peer_of(x.c, ch.vs + 1),
+                                      tag_of(ch.vs + 1, a.mb, 1), kNone);
           break;
-        }
-        case Act::SendGrad: {
-          Instruction in = make(Op::Send, engine_.p2p_stream, Purpose::PipelineGradient, a.mb, a.chunk);
-          in.peer = peer_of(x.c, ch.vs - 1);
-          in.tag = tag_of(ch.vs, a.mb, 1);
-          in.bytes = in.purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
-          add(x, in, {x.bwd_out[slot]});
+        case Act::SendGrad:
+          add_p2p(x, 3, a, Op::Send, Purpose::PipelineGradient, peer_of(x.c, ch.vs - 1), tag_of(ch.vs, a.mb, 1),
+                  x.bwd_out[slot]);
           break;
-        }
         case Act::Fwd: emit_compute_action(prog, x, segs, a, true); break;
         case Act::Bwd: emit_compute_action(prog, x, segs, a, false); break;
       }
     }
     emit_batch_end(x);
     finish_chain(x);
+  }
+
+  // A pipeline send / receive (`kind`: 0 RecvAct, 1 SendAct, 2 RecvGrad, 3 SendGrad) of action `a`,
+  // waiting for `wait` (kNone: nothing). After a chunk's first, a copy of that one with its
+  // micro-batch and tag written in place: an instruction assembled field by field on the stack and
+  // then copied into the Program stalled on reading back its fresh stores.
+  uint32_t add_p2p(RankCtx& x, int kind, const Action& a, Op op, Purpose purpose, int peer, int tag, uint32_t wait) {
+    const int k = kind * v_ + a.chunk;
+    if (!x.p2p_made[k]) {
+      Instruction& in = x.p2p_proto[k];
+      in = make(op, engine_.p2p_stream, purpose, a.mb, a.chunk);
+      in.peer = peer;
+      in.bytes = purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
+      x.p2p_made[k] = 1;
+    }
+    // (Not a compute instruction that starts on arrival: add appends it, at the id it returns.)
+    const uint32_t id = add(x, x.p2p_proto[k], {wait});
+    Instruction& in = x.rp->instructions[id];
+    in.micro_batch = a.mb;
+    in.tag = tag;
+    return id;
   }
 
   // A forward (or a backward that reduces nothing) of a chunk emits the same instructions for
@@ -1047,9 +1058,9 @@ class Builder {
     const uint32_t recv = forward ? x.recv_act[slot] : x.recv_grad[slot];
     finish_chain(x);
     if (t.ok && t.waits == (recv != kNone)) {
-      Instruction in = t.in;
-      in.micro_batch = a.mb;
-      const uint32_t id = t.waits ? x.rp->add(in, {recv}) : x.rp->add(in, {});
+      // (Copied from the template, then patched in place: see add_p2p.)
+      const uint32_t id = t.waits ? x.rp->add(t.in, {recv}) : x.rp->add(t.in, {});
+      x.rp->instructions[id].micro_batch = a.mb;
       x.last_compute = id;
       (forward ? x.fwd_out : x.bwd_out)[slot] = id;
       return;
