@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <simgrid/s4u.hpp>
 #include "core/device_model.hpp"
+#include "simulator/child_heap.hpp"
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -835,6 +836,7 @@ ExecResult execute(const Scenario& sc, const Program& program, const std::vector
   if (pid < 0) throw std::runtime_error("simulator: fork() failed");
   if (pid == 0) {
     ::close(fds[0]);
+    child_heap::enable();  // small objects from per-size free lists (child_heap.hpp)
     PipeWriter out(fds[1]);
     try {
       ExecResult r = Simulation(sc, program, vranks, seconds, opts).run();
