@@ -81,8 +81,9 @@ void* allocate(std::size_t n, bool nothrow) {
 
 bool enable() {
   if (g_size != 0) return true;
-  // Address space only (PROT_NONE is not committed memory); 1 TiB, else 64 GiB.
-  for (std::size_t size : {std::size_t(1) << 40, std::size_t(1) << 36}) {
+  // Address space only (PROT_NONE is not committed memory): 1 TiB, else less (valgrind, for one,
+  // refuses a 1 TiB mapping).
+  for (std::size_t size : {std::size_t(1) << 40, std::size_t(1) << 36, std::size_t(1) << 34, std::size_t(1) << 32}) {
     void* r = ::mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (r == MAP_FAILED) continue;
     void* t = ::mmap(nullptr, size / kSlab, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
