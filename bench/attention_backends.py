@@ -6,7 +6,7 @@ TFLOP/s (causal: half of 4 b h s^2 d forward, 2.5x that for forward + backward).
 events, median of --iters calls after --warmup. A diagnostic for backends/torch (which kernel the
 engine should ask for): not a test.
 
-    python3 bench/attention_backends.py [--batch 8 --heads 16 --seq 2048 --head-dim 128]
+    python3 bench/attention_backends.py [--batch 8 --heads 16 --seq 2048 --head-dim 128] [--packed]
 """
 import argparse
 import contextlib
@@ -39,14 +39,22 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--packed", action="store_true", help="q, k, v as strided views of one [B, S, 3, a, d] tensor")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     shape = (a.batch, a.heads, a.seq, a.head_dim)
-    q, k, v = (torch.randn(shape, dtype=dt, device=dev).requires_grad_(True) for _ in range(3))
+    if a.packed:  # dssim's engine: q, k, v as strided views of the QKV projection's [B, S, 3, a, d] output
+        qkv = torch.randn(a.batch, a.seq, 3, a.heads, a.head_dim, dtype=dt, device=dev)
+        q, k, v = (qkv[:, :, i].transpose(1, 2).detach().requires_grad_(True) for i in range(3))
+    else:
+        q, k, v = (torch.randn(shape, dtype=dt, device=dev).requires_grad_(True) for _ in range(3))
     go = torch.randn(shape, dtype=dt, device=dev)
     flops_fwd = 2.0 * a.batch * a.heads * a.seq * a.seq * a.head_dim  # causal: half of 4 b h s^2 d
     ref = None
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, q/k/v {list(shape)} bf16, causal")
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
+          f"q/k/v {list(shape)} bf16, causal, {'packed [B, S, 3, a, d] views' if a.packed else 'contiguous'}")
+    if hasattr(torch._C, "_get_sdp_priority_order"):  # 0 math, 1 flash, 2 efficient, 3 cudnn, 4 overrideable
+        print("priority order:", list(torch._C._get_sdp_priority_order()))
     print(f"{'backend':22s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'fwd TF/s':>9s} {'f+b TF/s':>9s} {'max |diff|':>11s}")
     for name, be in [("default dispatch", None), ("flash", SDPBackend.FLASH_ATTENTION),
                      ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:

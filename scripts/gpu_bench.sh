@@ -6,6 +6,9 @@
 #
 #   scripts/gpu_bench.sh [--steps N] [--configs "8x4 16x2"]   (micro-batch x accumulation)
 #                        [--losses "unfused fused_linear"]   (model.cross_entropy of each dssim run)
+#                        [--model 1.3b|7b]   (7b: GPT 7B, 32 x 4096, ZeRO-3, no offload; default 1.3b, ZeRO-1)
+#                        [--plain "eager compile"]   (the plain PyTorch runs)
+#                        [--no-tiny]   (skip the tiny model's smoke runs)
 #   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
 #                                          # nlohmann-json3-dev: packs them (and a Boost stub) into
 #                                          # DIR for a GPU machine that lacks them; put DIR at .deps
@@ -50,15 +53,26 @@ EOF
   exit 0
 fi
 
-STEPS=10 CONFIGS="8x4" LOSSES="unfused fused_linear"
+STEPS=10 CONFIGS="8x4" LOSSES="unfused fused_linear" MODEL=1.3b PLAINS="eager compile" TINY_RUNS=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
     --losses) LOSSES=$2; shift 2 ;;     # model.cross_entropy of each dssim run
     --configs) CONFIGS=$2; shift 2 ;;   # "MBxGA ...": micro-batch x accumulation, first is the headline
+    --model) MODEL=$2; shift 2 ;;
+    --plain) PLAINS=$2; shift 2 ;;
+    --no-tiny) TINY_RUNS=0; shift ;;
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
+case "$MODEL" in
+  # The same model on both sides: dssim's preset and plain_pytorch_gpt.py's dimensions.
+  1.3b) PRESET=gpt-1.3b STAGE=1 DIMS="--layers 24 --hidden 2048 --heads 16"
+        SHAPE="GPT 1.3B (24 x 2048, 16 heads, s 2048, V 51200)" ;;
+  7b)   PRESET=gpt-7b STAGE=3 DIMS="--layers 32 --hidden 4096 --heads 32"
+        SHAPE="GPT 7B (32 x 4096, 32 heads, s 2048, V 51200)" ;;
+  *) echo "gpu_bench.sh: --model takes 1.3b or 7b, not $MODEL" >&2; exit 2 ;;
+esac
 source "$ROOT/scripts/gpu_common.sh"
 rm -f "$OUT/summary.txt"
 gpu_build dssim_torch_run
@@ -74,6 +88,7 @@ for extra in "--set zero.stage=0 --set precision.dtype=fp32" \
              "--set zero.stage=1 --set precision.dtype=bf16 --set model.cross_entropy=fused_linear" \
              "--set zero.stage=2 --set precision.dtype=fp16 --set precision.loss_scale.initial_scale_power=8 --set model.cross_entropy=fused_linear" \
              "--set zero.stage=3 --set precision.dtype=fp32 --set model.cross_entropy=fused_linear"; do
+  [[ $TINY_RUNS == 1 ]] || break
   # shellcheck disable=SC2086
   if "$BUILD/dssim_torch_run" "$TINY" --backend cuda --nproc 1 --steps 6 --quiet --json $extra > "$OUT/tiny.json" 2> "$OUT/tiny.err"; then
     python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("tiny cuda ok:", sys.argv[2], "losses", [round(x, 4) for x in d["losses"]])' "$OUT/tiny.json" "$extra"
@@ -86,11 +101,11 @@ for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
 for LOSS in $LOSSES; do
-cat > "$BUILD/gpt13b_h200_zero1_${TAG}_$LOSS.yaml" <<EOF
-# GPT 1.3B on one H200, bf16, ZeRO-1 (scripts/gpu_bench.sh).
-name: gpt13b_h200_zero1
+cat > "$BUILD/${PRESET}_h200_zero${STAGE}_${TAG}_$LOSS.yaml" <<EOF
+# $SHAPE on one H200, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
+name: ${PRESET}_h200_zero${STAGE}
 model:
-  preset: gpt-1.3b
+  preset: $PRESET
   cross_entropy: $LOSS
 training:
   global_batch: $((MB * GA))
@@ -98,7 +113,7 @@ training:
   seed: 1234
 parallel: {tp: 1, pp: 1, dp: 1}
 zero:
-  stage: 1
+  stage: $STAGE
 precision: bf16
 optimizer: {type: adamw, lr: 1e-4}
 cluster:
@@ -107,45 +122,52 @@ cluster:
   gpus_per_node: 1
 EOF
 
+RUN="${TAG}_${LOSS}"
 echo "== dssim run (torch backend, C++), model.cross_entropy: $LOSS"
-"$BUILD/dssim_torch_run" "$BUILD/gpt13b_h200_zero1_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
-  --json > "$OUT/dssim_${TAG}_$LOSS.json" 2> >(tee "$OUT/dssim_${TAG}_$LOSS.stderr" >&2) || { echo "dssim run failed"; exit 1; }
-python3 - "$OUT/dssim_${TAG}_$LOSS.json" <<'EOF'
+"$BUILD/dssim_torch_run" "$BUILD/${PRESET}_h200_zero${STAGE}_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+  --json > "$OUT/dssim_$RUN.json" 2> >(tee "$OUT/dssim_$RUN.stderr" >&2) || { echo "dssim run failed"; exit 1; }
+python3 - "$OUT/dssim_$RUN.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 m = d["extras"]["measured"]
 print("time per instruction kind (s/iteration):", {k: round(v, 4) for k, v in m["seconds_per_iteration_by_instruction"].items()})
 print("memory (GiB):", {k: round(v / 2**30, 2) for k, v in m["memory_bytes"].items()})
 print("bytes per collective:", m["bytes_per_iteration"], "Program:", m["expected_bytes_per_iteration"])
+print("losses:", [round(x, 4) for x in d.get("losses", [])])
 print("throughput:", d["throughput"])
 EOF
 done
 
-for MODE in eager compile; do
+for MODE in $PLAINS; do
   echo "== plain PyTorch ($MODE)"
-  FLAG=""; [[ $MODE == compile ]] && FLAG="--compile"
-  PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 $FLAG \
+  FLAG=""; [[ $MODE == compile* ]] && FLAG="--compile"
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" $DIMS --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 $FLAG \
     | tee "$OUT/plain_${MODE}_$TAG.txt" || echo "plain PyTorch ($MODE) failed"
 done
 
-python3 - "$OUT/plain_eager_$TAG.txt" "$OUT/plain_compile_$TAG.txt" "$OUT"/dssim_"${TAG}"_*.json >> "$OUT/summary.txt" <<'EOF'
-import json, sys
+STAGE=$STAGE TAG=$TAG PLAINS=$PLAINS python3 - "$OUT" >> "$OUT/summary.txt" <<'EOF'
+import glob, json, os, sys
+out, tag = sys.argv[1], os.environ["TAG"]
 plain = {}
-for path, label in ((sys.argv[1], "plain PyTorch eager (autocast)"), (sys.argv[2], "plain PyTorch torch.compile")):
+for mode in os.environ["PLAINS"].split():
+    label = "plain PyTorch " + ("torch.compile" if mode == "compile" else "eager (autocast)")
     try:
+        path = os.path.join(out, "plain_%s_%s.txt" % (mode, tag))
         plain[label] = json.loads([l for l in open(path) if l.startswith("PLAIN_JSON ")][-1][len("PLAIN_JSON "):])
     except (OSError, IndexError):
         plain[label] = None
-compiled = plain["plain PyTorch torch.compile"]
+compiled = plain.get("plain PyTorch torch.compile")
 first = True
-for path in sys.argv[3:]:
+for path in sorted(glob.glob(os.path.join(out, "dssim_%s_*.json" % tag))):
     d = json.load(open(path))
     t, c = d["throughput"], d["config"]
     loss = "fused_linear" if path.endswith("_fused_linear.json") else "unfused"
     peak = d["extras"]["measured"]["memory_bytes"]["peak"] / 2**30
     ratio = "   / compile %.3f" % (t["tokens_per_second"] / compiled["tokens_per_second"]) if compiled else ""
     print("%-7s %-34s %10.0f %8.3f %6.1f%% %8.2f%s" % ("%dx%d" % (c["micro_batch"], c["grad_accum"]) if first else "",
-          "dssim ZeRO-1, loss " + loss, t["tokens_per_second"], t["iteration_seconds"], 100 * t["mfu"], peak, ratio))
+          "dssim ZeRO-%s, loss %s" % (os.environ["STAGE"], loss), t["tokens_per_second"],
+          t["iteration_seconds"], 100 * t["mfu"], peak, ratio))
     first = False
 for label, p in plain.items():
     if p is None:
@@ -156,6 +178,6 @@ EOF
 done
 
 echo
-echo "GPT 1.3B (24 x 2048, 16 heads, s 2048, V 51200), bf16, 1 GPU ($(sed -n 2p "$OUT/gpu.txt" | cut -d, -f1)); MFU against 989.5 TFLOP/s"
+echo "$SHAPE, bf16, 1 GPU ($(sed -n 2p "$OUT/gpu.txt" | cut -d, -f1)); MFU against 989.5 TFLOP/s"
 printf "%-7s %-34s %10s %8s %7s %8s\n" "mb x ga" "" "tokens/s" "iter s" "MFU" "peak GiB"
 cat "$OUT/summary.txt"
