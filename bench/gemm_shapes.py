@@ -11,9 +11,10 @@ Each shape is K x N: x is [tokens, K], W is [N, K]. Defaults: Llama 3 8B's q / o
 batch 2 x 8,192), and 8192^3.
 """
 import argparse
-import statistics
 
 import torch
+
+from attention_backends import timed  # CUDA-event median (this folder is on sys.path when run as a script)
 
 
 def main():
@@ -30,17 +31,7 @@ def main():
     for m, k, n in shapes:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-        for _ in range(a.warmup):
-            torch.nn.functional.linear(x, w)
-        ts = []
-        for _ in range(a.iters):
-            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            b.record()
-            torch.nn.functional.linear(x, w)
-            e.record()
-            e.synchronize()
-            ts.append(b.elapsed_time(e))
-        ms = statistics.median(ts)
+        ms = timed(lambda: torch.nn.functional.linear(x, w), a.warmup, a.iters)
         tf = 2.0 * m * k * n / ms / 1e9
         print(f"{f'{m} x {k} x {n}':>22s} {ms:8.3f} {tf:8.1f} {tf / a.peak_tflops:8.3f}")
 

@@ -60,7 +60,8 @@ while [[ $# -gt 0 ]]; do
     --losses) LOSSES=$2; shift 2 ;;     # model.cross_entropy of each dssim run
     --configs) CONFIGS=$2; shift 2 ;;   # "MBxGA ...": micro-batch x accumulation, first is the headline
     --model) MODEL=$2; shift 2 ;;
-    --plain) PLAINS=$2; shift 2 ;;
+    --plain) PLAINS=$2; shift 2
+             for m in $PLAINS; do [[ $m == eager || $m == compile ]] || { echo "gpu_bench.sh: --plain takes eager and / or compile, not $m" >&2; exit 2; }; done ;;
     --no-tiny) TINY_RUNS=0; shift ;;
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -140,7 +141,7 @@ done
 
 for MODE in $PLAINS; do
   echo "== plain PyTorch ($MODE)"
-  FLAG=""; [[ $MODE == compile* ]] && FLAG="--compile"
+  FLAG=""; [[ $MODE == compile ]] && FLAG="--compile"
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/plain_pytorch_gpt.py" $DIMS --micro-batch $MB --grad-accum $GA --steps $STEPS --warmup 2 $FLAG \
     | tee "$OUT/plain_${MODE}_$TAG.txt" || echo "plain PyTorch ($MODE) failed"
