@@ -370,8 +370,10 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Communication buffers (none for data parallelism on one rank: nothing is reduced or gathered).
   // [DS stage_1_and_2 / stage3] ipg gradient bucket of reduce_bucket_size elements, double-buffered
   // with overlap_comm; stage 0's engine flattens gradients in buckets of the same size (one at a time).
+  // FSDP has no such bucket: it reduce-scatters each block's flat gradient, the ZeRO-3 transient
+  // below (the block's gradients and, with the reduce-scatter in flight, its input copy).
   const double reduce_bucket = std::min(static_cast<double>(z.reduce_bucket_size), train);
-  if (dp > 1) {
+  if (dp > 1 && !(zstage == 3 && z.engine == ZeroEngine::fsdp)) {
     if (zstage == 0)
       mb.comm_buffers += gb * reduce_bucket;
     else
@@ -395,8 +397,13 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // probabilities and gradient (fp16: 8 bytes per logit; bf16 also holds the logits' fp32 cast
   // while the softmax runs: 10; fp32: 12), and the gradients kept from the forward for the
   // backward: the head input's [b s x h] and the head weight's [V / t x h].
+  // Fused cross-entropy on 16-bit logits (flash-attn v1.0.9 flash_attn/losses/cross_entropy.py on
+  // apex's xentropy kernels: saves the logits and a float log-sum-exp per token, and its backward
+  // writes a new gradient unless inplace_backward, off by default): 2 x e b s V / t.
   if (stage == pp - 1) {
-    if (m.fused_cross_entropy) {
+    if (m.cross_entropy == ModelSpec::CrossEntropy::fused) {
+      backward_transient = 2 * pb * b * s * v / t;
+    } else if (m.fused_cross_entropy()) {
       const double chunk = double(fused_cross_entropy_chunk_tokens(int64_t(b * s), int64_t(v / t)));
       const double per_logit = sc.precision.dtype == Dtype::bf16 ? 8.0 + pb : 4.0 + 2 * pb;
       backward_transient = per_logit * chunk * v / t + pb * (b * s * h + v / t * h);

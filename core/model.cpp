@@ -53,6 +53,15 @@ const char* to_string(ModelSpec::NoisyGate g) {
   return "none";
 }
 
+const char* to_string(ModelSpec::CrossEntropy c) {
+  switch (c) {
+    case ModelSpec::CrossEntropy::unfused: return "unfused";
+    case ModelSpec::CrossEntropy::fused: return "fused";
+    case ModelSpec::CrossEntropy::fused_linear: return "fused_linear";
+  }
+  return "unfused";
+}
+
 bool is_moe_layer(const ModelSpec& m, int layer) {
   if (!m.is_moe()) return false;
   const int every = std::max(1, m.moe_every);
@@ -464,7 +473,7 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   const double norm_tokens = shape.sequence_parallel ? tokens / t : tokens;
   std::vector<LayerOp> ops;
   ops.push_back(norm_op(m, "final_", "", norm_tokens, h, e));
-  if (m.fused_cross_entropy) {
+  if (m.fused_cross_entropy()) {
     // Fused linear cross-entropy (ModelSpec::fused_cross_entropy), chunk by chunk in the forward:
     // the logits GEMM, one kernel from the 16-bit logits to fp32 probabilities (read e, write 4),
     // the gradient (softmax - one-hot) / tokens cast to 16 bits (read 4, write e), and the head's
@@ -484,6 +493,17 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
     return ops;
   }
   ops.push_back(gemm_op("logits", 1, tokens, v / t, h, e));
+  if (m.cross_entropy == ModelSpec::CrossEntropy::fused) {
+    // One kernel a pass on the 16-bit logits (flash-attn's CrossEntropyLoss, apex's xentropy):
+    // forward reads each logit once (max and log-sum-exp of a row, the loss), backward reads it
+    // again and writes its 16-bit gradient, softmax - one-hot.
+    LayerOp ce = elementwise_op("softmax_cross_entropy", tokens * v / t, kSoftmaxFlopsPerElement + 2, e);
+    ce.backward_bytes = 2 * e * tokens * v / t;
+    ops.push_back(ce);
+    ops.push_back(grad_accumulate_op(v / t * h + norm_params(m), e));
+    finetune_head_ops(ops, m, shape);
+    return ops;
+  }
   // PyTorch's cross-entropy on fp32 logits (dssim's engine): the cast (read 16-bit, write fp32),
   // log-softmax (two reads for max and sum, one write); backward: the nll gradient zero-filled,
   // log-softmax's backward (two reads of the gradient, one of its output, one write), cast back.

@@ -52,12 +52,18 @@ struct ModelSpec {
   // kept for backward) or Megatron-2021 style unfused softmax(QK^T)V (batched GEMMs, scores
   // written to HBM and kept: Korthikanti's 5as/h activation term).
   bool flash_attention = true;
-  // Loss: PyTorch's cross-entropy on the whole micro-batch's fp32 logits (`unfused`: Megatron's and
-  // PyTorch's default), or the LM head's GEMM and the cross-entropy fused over token chunks
-  // (`fused_linear`, as Liger-Kernel's FusedLinearCrossEntropy): the logits' and the head's
-  // gradients are computed in the forward, chunk by chunk, and no [tokens x V] fp32 tensor is kept
-  // (core/model.hpp fused_cross_entropy_chunk_tokens; backends/torch/fused_cross_entropy.*).
-  bool fused_cross_entropy = false;
+  // Loss (`model.cross_entropy`):
+  //  - `unfused`: PyTorch's cross-entropy on the whole micro-batch's fp32 logits (Megatron's and
+  //    PyTorch's default);
+  //  - `fused`: one kernel on the 16-bit logits in each pass, the loss and log-sum-exp forward and
+  //    the 16-bit logits' gradient backward, no fp32 [tokens x V] tensor (flash-attn's
+  //    CrossEntropyLoss, apex's xentropy: MPT / llm-foundry's default `fused_crossentropy`);
+  //  - `fused_linear`: the LM head's GEMM and the cross-entropy fused over token chunks (as
+  //    Liger-Kernel's FusedLinearCrossEntropy): the logits' and the head's gradients are computed
+  //    in the forward, chunk by chunk, and no [tokens x V] tensor is kept (core/model.hpp
+  //    fused_cross_entropy_chunk_tokens; backends/torch/fused_cross_entropy.*).
+  enum class CrossEntropy { unfused, fused, fused_linear } cross_entropy = CrossEntropy::unfused;
+  bool fused_cross_entropy() const { return cross_entropy == CrossEntropy::fused_linear; }
   // Dropout probability of the hidden, attention and embedding dropouts (Megatron applies one
   // value to all). 0 = none (modern LLM pre-training, and dssim's torch engine); > 0 keeps
   // Korthikanti's 1-byte masks and runs the dropout kernels.
@@ -70,6 +76,7 @@ struct ModelSpec {
   int64_t expert_capacity(int64_t tokens) const;
 };
 const char* to_string(ModelSpec::NoisyGate);
+const char* to_string(ModelSpec::CrossEntropy);
 
 struct TrainingSpec {
   int64_t global_batch = 0;  // sequences per iteration (DeepSpeed train_batch_size)

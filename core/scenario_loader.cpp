@@ -210,7 +210,10 @@ const std::vector<Field>& fields() {
       s.model.flash_attention = get_enum(e, {"flash", "unfused"}) == "flash";
     });
     add("model.cross_entropy", [](Scenario& s, const Entry& e) {
-      s.model.fused_cross_entropy = get_enum(e, {"unfused", "fused_linear"}) == "fused_linear";
+      const std::string v = get_enum(e, {"unfused", "fused", "fused_linear"});
+      s.model.cross_entropy = v == "fused_linear" ? ModelSpec::CrossEntropy::fused_linear
+                              : v == "fused"      ? ModelSpec::CrossEntropy::fused
+                                                  : ModelSpec::CrossEntropy::unfused;
     });
     // Llama-shaped layers (core/model.cpp [L]).
     add("model.kv_heads", [](Scenario& s, const Entry& e) { s.model.kv_heads = get_int32(e, 1); });
@@ -977,7 +980,7 @@ std::string to_yaml(const Scenario& s) {
   }
   y << YAML::Key << "tied_embeddings" << YAML::Value << m.tied_embeddings;
   y << YAML::Key << "attention" << YAML::Value << (m.flash_attention ? "flash" : "unfused");
-  y << YAML::Key << "cross_entropy" << YAML::Value << (m.fused_cross_entropy ? "fused_linear" : "unfused");
+  y << YAML::Key << "cross_entropy" << YAML::Value << to_string(m.cross_entropy);
   y << YAML::Key << "dropout" << YAML::Value << m.dropout;
   y << YAML::Key << "kv_heads" << YAML::Value << m.kv_heads_or_heads();
   y << YAML::Key << "mlp" << YAML::Value << (m.swiglu ? "swiglu" : "gelu");

@@ -53,7 +53,10 @@ GptConfig GptConfig::from(const ModelSpec& m, int tp, int tp_rank, bool sequence
   c.tp = tp;
   c.tp_rank = tp_rank;
   c.sequence_parallel = sequence_parallel && tp > 1;
-  c.fused_cross_entropy = m.fused_cross_entropy;
+  if (m.cross_entropy == ModelSpec::CrossEntropy::fused)
+    throw std::invalid_argument("torch backend: model.cross_entropy = fused (flash-attn's / apex's 16-bit cross-entropy "
+                                "kernel) is not implemented; set model.cross_entropy: fused_linear or unfused");
+  c.fused_cross_entropy = m.fused_cross_entropy();
   if (c.fused_cross_entropy && tp > 1)
     throw std::invalid_argument("torch backend: model.cross_entropy = fused_linear with parallel.tp = " + std::to_string(tp) +
                                 " is not implemented (the vocabulary-parallel cross-entropy is not fused); set "

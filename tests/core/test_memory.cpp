@@ -380,7 +380,7 @@ TEST_CASE("one rank: no ZeRO buffers, ZeRO-3 in place; the loss's fp32 transient
 TEST_CASE("fused linear cross-entropy: one chunk's logits and the head's gradients instead of 3 x 4 b s V", "[memory]") {
   ModelSpec m = gpt(24, 2048, 16);
   m.dropout = 0;
-  m.fused_cross_entropy = true;
+  m.cross_entropy = ModelSpec::CrossEntropy::fused_linear;
   Scenario one = scenario(m, 1, 1, 1, 1);
   one.training.micro_batch = 8;
   const double T = 8 * 2048.0, V = 51200, h = 2048;
@@ -388,11 +388,31 @@ TEST_CASE("fused linear cross-entropy: one chunk's logits and the head's gradien
   // fp16: the chunk's 16-bit logits, fp32 probabilities and 16-bit gradient, and the head input's
   // and weight's 16-bit gradients kept from the forward.
   CHECK(peak_memory(one).temporaries == Approx((4 + 2 * 2) * chunk * V + 2 * (T * h + V * h)));
-  m.fused_cross_entropy = false;
+  m.cross_entropy = ModelSpec::CrossEntropy::unfused;
   Scenario plain = scenario(m, 1, 1, 1, 1);
   plain.training.micro_batch = 8;
   CHECK(peak_memory(plain).temporaries == Approx(12.0 * T * V));
   CHECK(peak_memory(one).total() < peak_memory(plain).total() - 8.0 * T * V);
+}
+
+TEST_CASE("fused cross-entropy on 16-bit logits: the logits and their gradient, 2 x e b s V, on the last stage", "[memory]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  m.dropout = 0;
+  m.cross_entropy = ModelSpec::CrossEntropy::fused;
+  Scenario one = scenario(m, 1, 1, 1, 1);
+  one.training.micro_batch = 8;
+  const double T = 8 * 2048.0, V = 51200;
+  // fp16 (this helper's dtype): 2 bytes per logit saved, 2 per logit of gradient.
+  CHECK(peak_memory(one).temporaries == Approx(2 * 2 * T * V));
+  m.cross_entropy = ModelSpec::CrossEntropy::unfused;
+  Scenario plain = scenario(m, 1, 1, 1, 1);
+  plain.training.micro_batch = 8;
+  CHECK(peak_memory(plain).total() - peak_memory(one).total() == Approx((12.0 - 4.0) * T * V));
+  // TP splits the vocabulary: the last stage's rank holds V / t of each row.
+  m.cross_entropy = ModelSpec::CrossEntropy::fused;
+  Scenario tp = scenario(m, 2, 1, 1, 1);
+  tp.training.micro_batch = 8;
+  CHECK(peak_memory(tp).temporaries == Approx(2 * 2 * T * V / 2));
 }
 
 TEST_CASE("ZeRO++ hpZ: each rank also keeps a 1/hpz secondary shard of the 16-bit parameters", "[memory][zeropp]") {

@@ -234,7 +234,7 @@ TEST_CASE("fused linear cross-entropy: the head's gradients priced in the forwar
   shape.micro_batch = 8;
   const double T = 8 * 2048.0, h = 2048, V = 51200;
   const auto plain = head_forward_ops(m, shape);
-  m.fused_cross_entropy = true;
+  m.cross_entropy = ModelSpec::CrossEntropy::fused_linear;
   const auto fused = head_forward_ops(m, shape);
   CHECK_FALSE(has_op(fused, "softmax_cross_entropy"));
   const LayerOp& logits = find_op(fused, "logits");
@@ -248,6 +248,25 @@ TEST_CASE("fused linear cross-entropy: the head's gradients priced in the forwar
   CHECK(find_op(fused, "fused_cross_entropy").memory_bytes == Approx((8 + 2 * 2) * T * V));  // bf16 logits
   CHECK(find_op(fused, "fused_cross_entropy_scale").memory_bytes == Approx(2 * 2 * (T * h + V * h)));
   CHECK(b.memory_bytes < backward_cost(plain).memory_bytes);
+}
+
+TEST_CASE("fused cross-entropy on 16-bit logits: one read forward, one read and one write backward", "[model]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  LayerShape shape;
+  shape.micro_batch = 8;
+  shape.dtype = Dtype::bf16;
+  const double T = 8 * 2048.0, V = 51200;
+  const auto plain = head_forward_ops(m, shape);
+  m.cross_entropy = ModelSpec::CrossEntropy::fused;
+  const auto fused = head_forward_ops(m, shape);
+  const LayerOp& ce = find_op(fused, "softmax_cross_entropy");
+  CHECK(ce.memory_bytes == Approx(2 * T * V));            // the bf16 logits read once
+  CHECK(ce.backward_memory_bytes() == Approx(2 * 2 * T * V));  // read again, the bf16 gradient written
+  CHECK(ce.flops == Approx(find_op(plain, "softmax_cross_entropy").flops));
+  // Same GEMMs as the unfused loss (the logits GEMM forward, its dgrad and wgrad backward).
+  CHECK(sum_cost(fused).gemm_flops == Approx(sum_cost(plain).gemm_flops));
+  CHECK(backward_cost(fused).gemm_flops == Approx(backward_cost(plain).gemm_flops));
+  CHECK(sum_cost(fused).memory_bytes < sum_cost(plain).memory_bytes);
 }
 
 TEST_CASE("fused linear cross-entropy chunks: the fewest equal chunks whose fp32 probabilities fit in 1 GiB", "[model]") {

@@ -412,4 +412,25 @@ TEST_CASE("to_string of the scenario enums", "[scenario]") {
   CHECK(std::string(to_string(Recompute::full)) == "full");
   CHECK(std::string(to_string(Recompute::none)) == "none");
   CHECK(std::string(to_string(OptimizerKind::onebit_adam)) == "onebit_adam");
+  CHECK(std::string(to_string(ModelSpec::CrossEntropy::fused)) == "fused");
+  CHECK(std::string(to_string(ModelSpec::CrossEntropy::fused_linear)) == "fused_linear");
+}
+
+TEST_CASE("model.cross_entropy: unfused, fused or fused_linear; round-trips; anything else refused", "[scenario]") {
+  const std::string base = "model: {preset: gpt-1.3b}\ntraining: {micro_batch: 1}\ncluster: {preset: dgx-a100-hdr}\n";
+  CHECK(load_scenario_from_string(base).model.cross_entropy == ModelSpec::CrossEntropy::unfused);
+  for (const auto& [name, kind] : {std::pair{"unfused", ModelSpec::CrossEntropy::unfused},
+                                   std::pair{"fused", ModelSpec::CrossEntropy::fused},
+                                   std::pair{"fused_linear", ModelSpec::CrossEntropy::fused_linear}}) {
+    LoadOptions lo;
+    lo.overrides = {std::string("model.cross_entropy=") + name};
+    const Scenario s = load_scenario_from_string(base, lo);
+    CHECK(s.model.cross_entropy == kind);
+    CHECK(s.model.fused_cross_entropy() == (kind == ModelSpec::CrossEntropy::fused_linear));
+    CHECK(load_scenario_from_string(to_yaml(s)).model.cross_entropy == kind);
+  }
+  LoadOptions bad;
+  bad.overrides = {"model.cross_entropy=liger"};
+  CHECK_THROWS_WITH(load_scenario_from_string(base, bad),
+                    Contains("model.cross_entropy") && Contains("fused_linear"));
 }

@@ -221,3 +221,13 @@ TEST_CASE("ZeRO-3 memory follows the engine's granularity", "[zero3][memory]") {
         Approx(2.0 * (sp.largest_module + ds.zero.prefetch_bucket_size + sp.persistent)));
   CHECK(stage_memory(fsdp, 0).params_gathered > 3 * stage_memory(ds, 0).params_gathered);
 }
+
+TEST_CASE("FSDP keeps no DeepSpeed gradient bucket: communication buffers only under zero.engine deepspeed", "[zero3][memory]") {
+  const Scenario ds = azure(16, 1, "deepspeed"), fsdp = azure(16, 1, "fsdp");
+  const MemoryBreakdown a = peak_memory(ds), b = peak_memory(fsdp);
+  // DeepSpeed: the ipg bucket of reduce_bucket_size elements, double-buffered with overlap_comm.
+  CHECK(a.comm_buffers == Approx(2.0 * 2 * ds.zero.reduce_bucket_size));
+  // FSDP reduce-scatters each block's flat gradient (the ZeRO-3 transient, in both).
+  CHECK(b.comm_buffers == 0);
+  CHECK(b.temporaries > 0);
+}

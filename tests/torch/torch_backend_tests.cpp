@@ -291,6 +291,11 @@ TEST_CASE("model.cross_entropy fused_linear trains as the unfused loss does (fp3
   Result tp = run("--json --steps 1 --nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set model.cross_entropy=fused_linear");
   CHECK(tp.code == 2);
   CHECK(tp.err.find("model.cross_entropy") != std::string::npos);
+  // The 16-bit xentropy kernel other frameworks run (`fused`) is the simulator's only: refused.
+  Result xe = run("--json --steps 1 --nproc 2 --set model.cross_entropy=fused");
+  CHECK(xe.code == 2);
+  CHECK(xe.err.find("model.cross_entropy = fused") != std::string::npos);
+  CHECK(xe.err.find("fused_linear or unfused") != std::string::npos);
 }
 
 TEST_CASE("gradient clipping across shards matches stage 0", "[clipping][gloo]") {
