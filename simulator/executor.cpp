@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <unordered_map>
 #include <simgrid/s4u.hpp>
+#include <simgrid/simix.hpp>
+#include <simgrid/kernel/resource/Action.hpp>
 #include "core/device_model.hpp"
 #include "simulator/child_heap.hpp"
 #include <sys/resource.h>
@@ -131,7 +133,15 @@ class Simulation {
   void finish(int v, uint32_t i, double t);
   void timer(int v, uint32_t i, double t) { timers_.push({t, timer_seq_++, v, i}); ++result_.timers; }
   void dispatch(const Planned& plan, int repeat, int rendezvous, std::initializer_list<std::pair<int, uint32_t>> pair);
-  static sg4::ExecPtr start_flow(const Flow& f);
+  // Flows started by one actor in one go, and the semaphore that actor waits on until they have
+  // all ended (released by the network's completion callback, flow_ended).
+  struct Slice {
+    int pending = 0;
+    sg4::SemaphorePtr ended;
+  };
+  void start_flows(const Flow* begin, const Flow* end, std::vector<sg4::ExecPtr>& out, Slice& slice);
+  static void wait_flows(std::vector<sg4::ExecPtr>& out, Slice& slice);
+  void flow_ended(const void* activity);
   void progress(bool last);
   const Planned& planned(const PlanKey& key, CommPlan (*make)(const Simulation&, const PlanKey&));
   void account(const Planned& plan, int repeat);
@@ -174,13 +184,14 @@ class Simulation {
   uint64_t timer_seq_ = 0;
 
   // Comm jobs and their waiters.
-  struct Waiter { sg4::SemaphorePtr sem, done; int job = -1; };
+  struct Waiter { sg4::SemaphorePtr sem, done; int job = -1; Slice slice; };
   // Helpers that start and wait for a slice of a large phase's flows (run_flows).
   struct Helper {
     sg4::SemaphorePtr go, done;
     const Flow* begin = nullptr;
     const Flow* end = nullptr;
     Helper* next = nullptr;
+    Slice slice;
   };
   std::vector<std::unique_ptr<Helper>> helpers_;
   std::vector<Helper*> idle_helpers_;
@@ -197,6 +208,8 @@ class Simulation {
   size_t completed_head_ = 0;
   sg4::SemaphorePtr wake_;
   int active_jobs_ = 0;
+  // Running flows: their activity -> the slice that waits for them.
+  std::unordered_map<const void*, Slice*> running_;
 
   // Progress on stderr for long simulations.
   std::chrono::steady_clock::time_point wall0_, last_progress_;
@@ -279,12 +292,45 @@ int Simulation::rendezvous(int32_t g, uint32_t seq) {
 // removes it with std::list::remove when it ends: linear in the number of live comms of the whole
 // simulation (28% of the CPU at 8,192 GPUs, more beyond). An Exec is listed only on the actor that
 // started it.
-sg4::ExecPtr Simulation::start_flow(const Flow& f) {
-  const double bytes = static_cast<double>(static_cast<uint64_t>(std::llround(f.bytes)));  // sendto's uint64_t
-  sg4::ExecPtr e = sg4::Exec::init();
-  e->set_flops_amounts({0.0, 0.0})->set_bytes_amounts({0.0, bytes, 0.0, 0.0})->set_hosts({f.src, f.dst});
-  e->start();
-  return e;
+//
+// A slice of flows costs one simcall: each s4u setter and start() is a simcall of its own (an
+// actor context switch and a scheduling round each, five per flow), so the Execs are created here,
+// in the calling actor (whose list holds them, see run_flows), and their amounts, hosts and start
+// are set in maestro in one go, in the slice's order.
+void Simulation::start_flows(const Flow* begin, const Flow* end, std::vector<sg4::ExecPtr>& out, Slice& slice) {
+  const size_t first = out.size();
+  for (const Flow* f = begin; f != end; ++f)
+    if (f->bytes > 0) out.push_back(sg4::Exec::init());
+  if (out.size() == first) return;
+  slice.pending = static_cast<int>(out.size() - first);
+  simgrid::kernel::actor::simcall_answered([this, begin, end, first, &out, &slice] {
+    size_t k = first;
+    for (const Flow* f = begin; f != end; ++f) {
+      if (!(f->bytes > 0)) continue;
+      const double bytes = static_cast<double>(static_cast<uint64_t>(std::llround(f->bytes)));  // sendto's uint64_t
+      sg4::Exec* e = out[k++].get();
+      e->set_flops_amounts({0.0, 0.0})->set_bytes_amounts({0.0, bytes, 0.0, 0.0})->set_hosts({f->src, f->dst});
+      e->start();
+      running_.emplace(e->get_impl(), &slice);
+    }
+  });
+}
+
+// Waits until the slice's flows have ended, then lets their Execs go.
+void Simulation::wait_flows(std::vector<sg4::ExecPtr>& out, Slice& slice) {
+  if (out.empty()) return;
+  slice.ended->acquire();
+  out.clear();
+}
+
+// A flow's network action has ended (in maestro, while the network model updates): the last of a
+// slice wakes the actor waiting for it.
+void Simulation::flow_ended(const void* activity) {
+  auto it = running_.find(activity);
+  if (it == running_.end()) return;
+  Slice* slice = it->second;
+  running_.erase(it);
+  if (--slice->pending == 0) slice->ended->release();
 }
 
 // Starts a phase's flows and waits for them all. SimGrid 3.32 lists every exec on the actor that
@@ -304,16 +350,15 @@ Simulation::Helper* Simulation::helper() {
   helpers_.push_back(std::make_unique<Helper>());
   Helper* h = helpers_.back().get();
   h->go = sg4::Semaphore::create(0);
+  h->slice.ended = sg4::Semaphore::create(0);
   sg4::Actor::create("flows-" + std::to_string(helpers_.size() - 1), platform_->driver(), [this, h] {
     std::vector<sg4::ExecPtr> mine;
     for (;;) {
       h->go->acquire();
-      mine.clear();
-      for (const Flow* f = h->begin; f != h->end; ++f)
-        if (f->bytes > 0) mine.push_back(start_flow(*f));
+      start_flows(h->begin, h->end, mine, h->slice);
       if (h->next) h->next->go->release();
       const sg4::SemaphorePtr done = h->done;
-      for (auto& e : mine) e->wait();
+      wait_flows(mine, h->slice);
       idle_helpers_.push_back(h);
       done->release();
     }
@@ -334,10 +379,9 @@ void Simulation::run_flows(const Phase& p, Waiter& me, std::vector<sg4::ExecPtr>
     h->done = me.done;
   }
   flows.clear();
-  for (size_t i = 0; i < std::min(n, kFlowsPerActor); ++i)
-    if (p.flows[i].bytes > 0) flows.push_back(start_flow(p.flows[i]));
+  start_flows(p.flows.data(), p.flows.data() + std::min(n, kFlowsPerActor), flows, me.slice);
   if (!hs.empty()) hs[0]->go->release();
-  for (auto& c : flows) c->wait();
+  wait_flows(flows, me.slice);
   for (size_t k = 1; k < slices; ++k) me.done->acquire();
 }
 
@@ -364,6 +408,7 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
     Waiter* me = waiters_.back().get();
     me->sem = sg4::Semaphore::create(0);
     me->done = sg4::Semaphore::create(0);
+    me->slice.ended = sg4::Semaphore::create(0);
     sg4::Actor::create("waiter-" + std::to_string(w), platform_->driver(), [this, me, w] {
       std::vector<sg4::ExecPtr> flows;
       for (;;) {
@@ -696,6 +741,17 @@ ExecResult Simulation::run() {
   }
 
   wake_ = sg4::Semaphore::create(0);
+  running_.reserve(1 << 16);
+  // Flow ends, from the network model (see start_flows). A NetworkAction is an Action (its only
+  // base), which the public headers declare; the state is the new one.
+  sg4::Link::on_communication_state_change_cb(
+      [this](simgrid::kernel::resource::NetworkAction& na, simgrid::kernel::resource::Action::State) {
+        const auto& a = reinterpret_cast<const simgrid::kernel::resource::Action&>(na);
+        const auto st = a.get_state();
+        if (st == simgrid::kernel::resource::Action::State::FINISHED ||
+            st == simgrid::kernel::resource::Action::State::FAILED)
+          flow_ended(a.get_activity());
+      });
   std::string error;
   sg4::Actor::create("controller", platform_->driver(), [this, &error] {
     try { controller(); } catch (const std::exception& e) { error = e.what(); }
