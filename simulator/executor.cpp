@@ -166,14 +166,38 @@ class Simulation {
   std::unique_ptr<Platform> platform_;
   std::unique_ptr<CollectivePlanner> planner_;
   std::vector<int> vrank_of_rank_;
-  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams_;  // per template
-  std::vector<std::vector<uint32_t>> coll_seq_;                       // per template instruction
-  // Per template instruction: the streams whose head its end may let start (bit s = stream s): its
-  // own stream's next, and the streams of the instructions that depend on it.
-  std::vector<std::vector<uint8_t>> wakes_;
-  std::vector<std::array<size_t, kStreams>> cursor_;
-  std::vector<std::array<double, kStreams>> stream_free_;
-  std::vector<std::vector<char>> done_, posted_;
+  // The executor's state, laid out for an instruction's end and a stream head's start, which run
+  // once per instruction on a working set that grows with the cluster (at 65,536 GPUs, with a
+  // Program per rank, a vector per rank and kind of state put each of them on cache lines of their
+  // own): per template, flat arrays indexed from one offset; per simulated rank, one cache line.
+  // Per template instruction: its stream, its position there, its dependencies, and the streams
+  // whose head its end may let start (bit s = stream s: its own stream's next, and the streams of
+  // the instructions that depend on it).
+  struct Hot {
+    uint32_t deps_begin = 0;  // into the template's RankProgram::deps
+    uint32_t pos = 0;         // position in its stream
+    uint16_t deps_count = 0;
+    uint8_t stream = 0;
+    uint8_t wakes = 0;
+  };
+  struct Tpl {
+    uint32_t hot = 0;                  // its first instruction in hot_ and coll_seq_
+    uint32_t order[kStreams + 1] = {};  // stream s's instructions, in order: order_[order[s], order[s + 1])
+    const uint32_t* deps = nullptr;    // RankProgram::deps
+  };
+  // Per simulated rank: how far each stream is (its first `cursor` instructions have ended, so an
+  // instruction has ended iff its position is below its stream's cursor), whether the stream's
+  // head has started, and when the stream's last instruction ended.
+  struct alignas(64) RankState {
+    double stream_free[kStreams] = {};
+    uint32_t cursor[kStreams] = {};
+    uint8_t posted = 0;  // bit s: stream s's head has started
+  };
+  std::vector<Hot> hot_;
+  std::vector<uint32_t> order_, coll_seq_;
+  std::vector<Tpl> tpls_;
+  std::vector<int32_t> tpl_of_;  // per simulated rank: its template (vranks_[v].program_index)
+  std::vector<RankState> state_;
   std::vector<int> materialized_;
   std::deque<Rendezvous> rendezvous_;             // stable references: jobs read their members
   std::vector<std::vector<int>> open_rendezvous_;  // per group: entries collecting arrivals
@@ -434,16 +458,17 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
 }
 
 void Simulation::finish(int v, uint32_t i, double t) {
-  const Instruction& in = inst(v, i);
+  const Hot& h = hot_[tpls_[tpl_of_[v]].hot + i];
   result_.spans[v][i].end = t;
-  done_[v][i] = 1;
-  const int s = static_cast<int>(in.stream);
-  ++cursor_[v][s];
-  stream_free_[v][s] = t;
+  RankState& rs = state_[v];
+  const int s = h.stream;
+  ++rs.cursor[s];
+  rs.posted &= uint8_t(~(1u << s));
+  rs.stream_free[s] = t;
   result_.makespan = std::max(result_.makespan, t);
   ++result_.instructions;
   if ((result_.instructions & 0xfff) == 0) progress(false);
-  advance(v, wakes_[vranks_[v].program_index][i]);
+  advance(v, h.wakes);
 }
 
 // One line on stderr every few seconds once a simulation has run for a few seconds (rewritten in
@@ -469,22 +494,23 @@ void Simulation::progress(bool last) {
 // A head outside the mask is running or waits for another instruction than the one that just
 // ended, so looking at it would start nothing (the mask saves the cache misses of doing so).
 void Simulation::advance(int v, unsigned streams) {
-  const int tpl = vranks_[v].program_index;
-  const RankProgram& rp = program_.ranks[tpl];
+  const Tpl& tp = tpls_[tpl_of_[v]];
+  const Hot* hot = hot_.data() + tp.hot;
+  RankState& rs = state_[v];
   for (int s = 0; s < kStreams; ++s) {
-    if (!(streams >> s & 1u) || cursor_[v][s] >= streams_[tpl][s].size()) continue;
-    const uint32_t i = streams_[tpl][s][cursor_[v][s]];
-    if (posted_[v][i]) continue;
-    const Instruction& in = rp.instructions[i];
-    double ready = stream_free_[v][s];
+    if (!(streams >> s & 1u) || tp.order[s] + rs.cursor[s] >= tp.order[s + 1]) continue;
+    if (rs.posted >> s & 1u) continue;
+    const uint32_t i = order_[tp.order[s] + rs.cursor[s]];
+    const Hot& h = hot[i];
+    double ready = rs.stream_free[s];
     bool blocked = false;
-    for (uint32_t d = 0; d < in.deps_count; ++d) {
-      const uint32_t dep = rp.deps[in.deps_begin + d];
-      if (!done_[v][dep]) { blocked = true; break; }
+    for (uint32_t d = 0; d < h.deps_count; ++d) {
+      const uint32_t dep = tp.deps[h.deps_begin + d];
+      if (hot[dep].pos >= rs.cursor[hot[dep].stream]) { blocked = true; break; }
       ready = std::max(ready, result_.spans[v][dep].end);
     }
     if (blocked) continue;
-    posted_[v][i] = 1;
+    rs.posted |= uint8_t(1u << s);
     start(v, i, ready);
   }
 }
@@ -506,7 +532,7 @@ void Simulation::start(int v, uint32_t i, double ready) {
   }
   if (is_collective(in.op)) {
     const int32_t g = lookup(vr.group_map, in.group);
-    const int r = rendezvous(g, coll_seq_[vr.program_index][i]);
+    const int r = rendezvous(g, coll_seq_[tpls_[tpl_of_[v]].hot + i]);
     Rendezvous& rv = rendezvous_[r];
     rv.arrived++;
     const double local = device_.collective_local_seconds(in) * repeat;
@@ -636,10 +662,10 @@ void Simulation::controller() {
   }
   // Anything left means the Program deadlocks.
   for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) {
-    const int tpl = vranks_[v].program_index;
+    const Tpl& tp = tpls_[tpl_of_[v]];
     for (int s = 0; s < kStreams; ++s)
-      if (cursor_[v][s] < streams_[tpl][s].size()) {
-        const Instruction& in = inst(v, streams_[tpl][s][cursor_[v][s]]);
+      if (tp.order[s] + state_[v].cursor[s] < tp.order[s + 1]) {
+        const Instruction& in = inst(v, order_[tp.order[s] + state_[v].cursor[s]]);
         throw std::runtime_error("Program deadlocks in the simulator: rank " + std::to_string(vranks_[v].rank) +
                                  " stream " + to_string(in.stream) + " is stuck at " + to_string(in.op) + " (" +
                                  to_string(in.purpose) + ", micro-batch " + std::to_string(in.micro_batch) + ")");
@@ -697,30 +723,82 @@ ExecResult Simulation::run() {
   result_.platform_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
 
-  // Per template: stream order and collective sequence numbers.
-  streams_.resize(program_.ranks.size());
-  coll_seq_.resize(program_.ranks.size());
-  wakes_.resize(program_.ranks.size());
-  static_assert(kStreams <= 8, "wakes_ holds a stream mask in 8 bits");
+  // Per template: stream order, positions, wake masks and collective sequence numbers. Templates
+  // of the same shape (the same streams, dependencies and collective sequence numbers: every rank
+  // of a pipeline stage when each rank has its own template) share one copy, so that what every
+  // instruction's end reads stays in the cache whatever the cluster's size.
+  static_assert(kStreams <= 8, "Hot::wakes and RankState::posted hold a stream mask in 8 bits");
+  size_t total = 0;
+  for (const RankProgram& rp : program_.ranks) total += rp.instructions.size();
+  if (total > UINT32_MAX) throw std::runtime_error("simulator: more than 2^32 instructions");
+  hot_.reserve(total);
+  coll_seq_.reserve(total);
+  order_.reserve(total);
+  tpls_.resize(program_.ranks.size());
+  std::unordered_map<uint64_t, std::vector<uint32_t>> shapes;  // shape hash -> templates kept
+  std::vector<uint32_t> seqs;
   for (size_t t = 0; t < program_.ranks.size(); ++t) {
     const RankProgram& rp = program_.ranks[t];
     const auto& ins = rp.instructions;
-    coll_seq_[t].assign(ins.size(), 0);
-    wakes_[t].assign(ins.size(), 0);
+    seqs.assign(ins.size(), 0);
     std::unordered_map<int, uint32_t> seq;
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+    mix(ins.size());
+    for (uint32_t i = 0; i < ins.size(); ++i) {
+      if (ins[i].deps_count > UINT16_MAX) throw std::runtime_error("simulator: an instruction with more than 65535 dependencies");
+      if (is_collective(ins[i].op)) seqs[i] = seq[ins[i].group]++;
+      mix(uint64_t(ins[i].stream) | uint64_t(ins[i].deps_count) << 8 | uint64_t(seqs[i]) << 32);
+      for (uint32_t d = 0; d < ins[i].deps_count; ++d) mix(rp.deps[ins[i].deps_begin + d]);
+    }
+    std::vector<uint32_t>& same = shapes[h];
+    bool shared = false;
+    for (uint32_t c : same) {
+      const Tpl& tc = tpls_[c];
+      if (program_.ranks[c].instructions.size() != ins.size()) continue;
+      bool eq = true;
+      for (uint32_t i = 0; i < ins.size() && eq; ++i) {
+        const Hot& hc = hot_[tc.hot + i];
+        eq = hc.stream == static_cast<uint8_t>(ins[i].stream) && hc.deps_count == ins[i].deps_count &&
+             coll_seq_[tc.hot + i] == seqs[i];
+        for (uint32_t d = 0; d < ins[i].deps_count && eq; ++d)
+          eq = tc.deps[hc.deps_begin + d] == rp.deps[ins[i].deps_begin + d];
+      }
+      if (eq) { tpls_[t] = tc; shared = true; break; }
+    }
+    if (shared) continue;
+    same.push_back(static_cast<uint32_t>(t));
+    const size_t base = hot_.size();
+    hot_.resize(base + ins.size());
+    order_.resize(base + ins.size());
+    coll_seq_.insert(coll_seq_.end(), seqs.begin(), seqs.end());
+    Tpl& tp = tpls_[t];
+    tp.hot = static_cast<uint32_t>(base);
+    tp.deps = rp.deps.data();
+    Hot* hot = hot_.data() + base;
+    uint32_t count[kStreams] = {};
+    for (const Instruction& in : ins) ++count[static_cast<int>(in.stream)];
+    tp.order[0] = static_cast<uint32_t>(base);
+    for (int s = 0; s < kStreams; ++s) tp.order[s + 1] = tp.order[s] + count[s];
+    uint32_t fill[kStreams] = {};
     for (uint32_t i = 0; i < ins.size(); ++i) {
       const int s = static_cast<int>(ins[i].stream);
-      streams_[t][s].push_back(i);
-      if (is_collective(ins[i].op)) coll_seq_[t][i] = seq[ins[i].group]++;
-      wakes_[t][i] |= uint8_t(1u << s);
-      for (uint32_t d = 0; d < ins[i].deps_count; ++d) wakes_[t][rp.deps[ins[i].deps_begin + d]] |= uint8_t(1u << s);
+      order_[tp.order[s] + fill[s]] = i;
+      hot[i].pos = fill[s]++;
+      hot[i].stream = static_cast<uint8_t>(s);
+      hot[i].deps_begin = ins[i].deps_begin;
+      hot[i].deps_count = static_cast<uint16_t>(ins[i].deps_count);
+      hot[i].wakes |= uint8_t(1u << s);
+      for (uint32_t d = 0; d < ins[i].deps_count; ++d) hot[rp.deps[ins[i].deps_begin + d]].wakes |= uint8_t(1u << s);
     }
   }
+  hot_.shrink_to_fit();
+  order_.shrink_to_fit();
+  coll_seq_.shrink_to_fit();
   const size_t nv = vranks_.size();
-  cursor_.assign(nv, {});
-  stream_free_.assign(nv, {});
-  done_.resize(nv);
-  posted_.resize(nv);
+  state_.assign(nv, RankState{});
+  tpl_of_.resize(nv);
+  for (size_t v = 0; v < nv; ++v) tpl_of_[v] = vranks_[v].program_index;
   result_.spans.resize(nv);
   late_.assign(nv, Lateness{});
   materialized_.assign(program_.groups.size(), 0);
@@ -728,8 +806,6 @@ ExecResult Simulation::run() {
   free_rendezvous_.assign(program_.groups.size(), {});
   for (size_t v = 0; v < nv; ++v) {
     const auto& rp = program_.ranks.at(vranks_[v].program_index);
-    done_[v].assign(rp.instructions.size(), 0);
-    posted_[v].assign(rp.instructions.size(), 0);
     total_instructions_ += rp.instructions.size();
     result_.spans[v].assign(rp.instructions.size(), Span{});
     std::vector<int32_t> groups;
