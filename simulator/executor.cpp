@@ -232,8 +232,61 @@ class Simulation {
   size_t completed_head_ = 0;
   sg4::SemaphorePtr wake_;
   int active_jobs_ = 0;
-  // Running flows: their activity -> the slice that waits for them.
-  std::unordered_map<const void*, Slice*> running_;
+  // Running flows: their activity -> the slice that waits for them. Open addressing (linear
+  // probing, backward-shift deletion) keyed by the activity's address: one cache line per lookup
+  // where std::unordered_map took a bucket and a node (2.7 % of the CPU at 65,536 GPUs).
+  class FlowTable {
+   public:
+    void insert(const void* key, Slice* slice) {
+      if ((n_ + 1) * 2 > t_.size()) grow();
+      size_t i = slot(key);
+      while (t_[i].key) i = (i + 1) & mask_;
+      t_[i] = {key, slice};
+      ++n_;
+    }
+    // Removes `key`, returning its slice (nullptr if absent).
+    Slice* take(const void* key) {
+      if (t_.empty()) return nullptr;
+      size_t i = slot(key);
+      while (t_[i].key != key) {
+        if (!t_[i].key) return nullptr;
+        i = (i + 1) & mask_;
+      }
+      Slice* slice = t_[i].slice;
+      for (size_t j = i;;) {
+        j = (j + 1) & mask_;
+        if (!t_[j].key) break;
+        const size_t h = slot(t_[j].key);
+        if (i <= j ? (i < h && h <= j) : (i < h || h <= j)) continue;  // j's home is after the hole
+        t_[i] = t_[j];
+        i = j;
+      }
+      t_[i] = {};
+      --n_;
+      return slice;
+    }
+
+   private:
+    struct Entry { const void* key = nullptr; Slice* slice = nullptr; };
+    size_t slot(const void* key) const {
+      uint64_t x = reinterpret_cast<uintptr_t>(key);
+      x ^= x >> 33;
+      x *= 0xff51afd7ed558ccdull;
+      x ^= x >> 33;
+      return static_cast<size_t>(x) & mask_;
+    }
+    void grow() {
+      std::vector<Entry> old = std::move(t_);
+      t_.assign(std::max<size_t>(size_t(1) << 16, old.size() * 2), Entry{});
+      mask_ = t_.size() - 1;
+      n_ = 0;
+      for (const Entry& e : old)
+        if (e.key) insert(e.key, e.slice);
+    }
+    std::vector<Entry> t_;
+    size_t mask_ = 0, n_ = 0;
+  };
+  FlowTable running_;
 
   // Progress on stderr for long simulations.
   std::chrono::steady_clock::time_point wall0_, last_progress_;
@@ -335,7 +388,7 @@ void Simulation::start_flows(const Flow* begin, const Flow* end, std::vector<sg4
       sg4::Exec* e = out[k++].get();
       e->set_flops_amounts({0.0, 0.0})->set_bytes_amounts({0.0, bytes, 0.0, 0.0})->set_hosts({f->src, f->dst});
       e->start();
-      running_.emplace(e->get_impl(), &slice);
+      running_.insert(e->get_impl(), &slice);
     }
   });
 }
@@ -350,11 +403,8 @@ void Simulation::wait_flows(std::vector<sg4::ExecPtr>& out, Slice& slice) {
 // A flow's network action has ended (in maestro, while the network model updates): the last of a
 // slice wakes the actor waiting for it.
 void Simulation::flow_ended(const void* activity) {
-  auto it = running_.find(activity);
-  if (it == running_.end()) return;
-  Slice* slice = it->second;
-  running_.erase(it);
-  if (--slice->pending == 0) slice->ended->release();
+  Slice* slice = running_.take(activity);
+  if (slice && --slice->pending == 0) slice->ended->release();
 }
 
 // Starts a phase's flows and waits for them all. SimGrid 3.32 lists every exec on the actor that
@@ -817,7 +867,6 @@ ExecResult Simulation::run() {
   }
 
   wake_ = sg4::Semaphore::create(0);
-  running_.reserve(1 << 16);
   // Flow ends, from the network model (see start_flows). A NetworkAction is an Action (its only
   // base), which the public headers declare; the state is the new one.
   sg4::Link::on_communication_state_change_cb(
