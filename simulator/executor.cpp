@@ -82,12 +82,52 @@ struct Job {
   int npair = 0;
 };
 
-struct Timer {
-  double t;
-  uint64_t seq;
-  int v;
-  uint32_t i;
-  bool operator>(const Timer& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+// The controller's timers, earliest first and, at equal times, in the order they were set (what
+// a binary heap of (time, sequence number) gave). Ranks that run in step set many timers at the
+// same instant: one bucket per distinct time, in push order, and a heap of the distinct times
+// (8 bytes each), so that popping walks a heap of times rather than one of every timer (the heap's
+// comparisons were most of the controller's own CPU at 65,536 GPUs).
+class TimerQueue {
+ public:
+  struct Timer { double t; int v; uint32_t i; };
+  bool empty() const { return times_.empty(); }
+  double top_time() const { return times_.front(); }
+  void push(double t, int v, uint32_t i) {
+    t += 0.0;  // -0.0 and 0.0 are one time, as in the heap's comparison
+    auto [it, fresh] = index_.try_emplace(t, 0);
+    if (fresh) {
+      if (free_.empty()) { it->second = static_cast<int>(buckets_.size()); buckets_.emplace_back(); }
+      else { it->second = free_.back(); free_.pop_back(); }
+      times_.push_back(t);
+      std::push_heap(times_.begin(), times_.end(), std::greater<double>());
+    }
+    buckets_[it->second].items.emplace_back(v, i);
+  }
+  Timer pop() {
+    const double t = times_.front();
+    auto it = index_.find(t);
+    Bucket& b = buckets_[it->second];
+    const auto [v, i] = b.items[b.head++];
+    if (b.head == b.items.size()) {
+      b.items.clear();
+      b.head = 0;
+      free_.push_back(it->second);
+      index_.erase(it);
+      std::pop_heap(times_.begin(), times_.end(), std::greater<double>());
+      times_.pop_back();
+    }
+    return {t, v, i};
+  }
+
+ private:
+  struct Bucket {
+    std::vector<std::pair<int, uint32_t>> items;
+    size_t head = 0;
+  };
+  std::vector<double> times_;                 // min-heap of the distinct times
+  std::unordered_map<double, int> index_;     // time -> its bucket
+  std::vector<Bucket> buckets_;
+  std::vector<int> free_;
 };
 
 // Who arrives last at collectives.
@@ -131,7 +171,7 @@ class Simulation {
   void advance(int v, unsigned streams);
   void start(int v, uint32_t i, double ready);
   void finish(int v, uint32_t i, double t);
-  void timer(int v, uint32_t i, double t) { timers_.push({t, timer_seq_++, v, i}); ++result_.timers; }
+  void timer(int v, uint32_t i, double t) { timers_.push(t, v, i); ++result_.timers; }
   void dispatch(const Planned& plan, int repeat, int rendezvous, std::initializer_list<std::pair<int, uint32_t>> pair);
   // Flows started by one actor in one go, and the semaphore that actor waits on until they have
   // all ended (released by the network's completion callback, flow_ended).
@@ -204,8 +244,7 @@ class Simulation {
   std::vector<std::vector<int>> free_rendezvous_;  // per group: entries to reuse
   std::unordered_map<std::tuple<int, int, int>, P2PPost, TupleHash> p2p_;
   std::unordered_map<PlanKey, std::unique_ptr<Planned>, PlanKeyHash> plans_;
-  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
-  uint64_t timer_seq_ = 0;
+  TimerQueue timers_;
 
   // Comm jobs and their waiters.
   struct Waiter { sg4::SemaphorePtr sem, done; int job = -1; Slice slice; };
@@ -695,9 +734,8 @@ void Simulation::controller() {
       completed_.clear();  // caught up; no waiter runs before the next simcall
       completed_head_ = 0;
       const double now = sg4::Engine::get_clock();
-      while (!timers_.empty() && timers_.top().t <= now + kTick) {
-        const Timer tm = timers_.top();
-        timers_.pop();
+      while (!timers_.empty() && timers_.top_time() <= now + kTick) {
+        const TimerQueue::Timer tm = timers_.pop();
         finish(tm.v, tm.i, tm.t);
         any = true;
       }
@@ -706,7 +744,7 @@ void Simulation::controller() {
     if (timers_.empty()) {
       wake_->acquire();
     } else {
-      const double dt = timers_.top().t - sg4::Engine::get_clock();
+      const double dt = timers_.top_time() - sg4::Engine::get_clock();
       if (dt > kTick) wake_->acquire_timeout(dt);
     }
   }
