@@ -213,12 +213,16 @@ class Simulation {
   // Per template instruction: its stream, its position there, its dependencies, and the streams
   // whose head its end may let start (bit s = stream s: its own stream's next, and the streams of
   // the instructions that depend on it).
+  // kind: a compute instruction's start reads only this and secs_ (not the Instruction, which is
+  // the rank's own: its first read was the executor's largest cache miss at 65,536 GPUs).
+  enum Kind : uint8_t { kOther = 0, kGpuCompute = 1, kHostCompute = 2 };
   struct Hot {
     uint32_t deps_begin = 0;  // into the template's RankProgram::deps
     uint32_t pos = 0;         // position in its stream
     uint16_t deps_count = 0;
     uint8_t stream = 0;
     uint8_t wakes = 0;
+    uint8_t kind = kOther;
   };
   struct Tpl {
     uint32_t hot = 0;                  // its first instruction in hot_ and coll_seq_
@@ -235,6 +239,7 @@ class Simulation {
   };
   std::vector<Hot> hot_;
   std::vector<uint32_t> order_, coll_seq_;
+  std::vector<double> secs_;  // seconds_, per instruction of hot_
   std::vector<Tpl> tpls_;
   std::vector<int32_t> tpl_of_;  // per simulated rank: its template (vranks_[v].program_index)
   std::vector<RankState> state_;
@@ -605,20 +610,24 @@ void Simulation::advance(int v, unsigned streams) {
 }
 
 void Simulation::start(int v, uint32_t i, double ready) {
+  result_.spans[v][i].start = ready;
+  {
+    const uint32_t k = tpls_[tpl_of_[v]].hot + i;
+    const uint8_t kind = hot_[k].kind;
+    if (kind != kOther) {
+      double d = secs_[k];
+      if (kind == kGpuCompute) {  // the GPU's kernels, not the host's
+        if (!opts_.compute_scale.empty()) d *= opts_.compute_scale[v];
+        if (opts_.noise_cv > 0) d *= noise_factor(opts_.noise_cv, opts_.noise_seed, vranks_[v].rank, i);
+      }
+      timer(v, i, ready + d);
+      return;
+    }
+  }
   const VirtualRank& vr = vranks_[v];
   const Instruction& in = inst(v, i);
   const double secs = seconds_[vr.program_index][i];
   const int repeat = std::max(1, in.repeat);
-  result_.spans[v][i].start = ready;
-  if (is_compute(in.op)) {
-    double d = secs;
-    if (in.op != Op::HostOptimizerStep) {  // the GPU's kernels, not the host's
-      if (!opts_.compute_scale.empty()) d *= opts_.compute_scale[v];
-      if (opts_.noise_cv > 0) d *= noise_factor(opts_.noise_cv, opts_.noise_seed, vr.rank, i);
-    }
-    timer(v, i, ready + d);
-    return;
-  }
   if (is_collective(in.op)) {
     const int32_t g = lookup(vr.group_map, in.group);
     const int r = rendezvous(g, coll_seq_[tpls_[tpl_of_[v]].hot + i]);
@@ -811,16 +820,18 @@ ExecResult Simulation::run() {
   result_.platform_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
 
-  // Per template: stream order, positions, wake masks and collective sequence numbers. Templates
-  // of the same shape (the same streams, dependencies and collective sequence numbers: every rank
-  // of a pipeline stage when each rank has its own template) share one copy, so that what every
-  // instruction's end reads stays in the cache whatever the cluster's size.
+  // Per template: stream order, positions, wake masks, collective sequence numbers, and each compute
+  // instruction's kind and seconds. Templates of the same shape (the same streams, dependencies,
+  // collective sequence numbers, ops and seconds: every rank of a pipeline stage and TP position
+  // when each rank has its own template) share one copy, so that what every instruction's end and
+  // a compute instruction's start read stays in the cache whatever the cluster's size.
   static_assert(kStreams <= 8, "Hot::wakes and RankState::posted hold a stream mask in 8 bits");
   size_t total = 0;
   for (const RankProgram& rp : program_.ranks) total += rp.instructions.size();
   if (total > UINT32_MAX) throw std::runtime_error("simulator: more than 2^32 instructions");
   hot_.reserve(total);
   coll_seq_.reserve(total);
+  secs_.reserve(total);
   order_.reserve(total);
   tpls_.resize(program_.ranks.size());
   std::unordered_map<uint64_t, std::vector<uint32_t>> shapes;  // shape hash -> templates kept
@@ -828,6 +839,8 @@ ExecResult Simulation::run() {
   for (size_t t = 0; t < program_.ranks.size(); ++t) {
     const RankProgram& rp = program_.ranks[t];
     const auto& ins = rp.instructions;
+    if (t >= seconds_.size() || seconds_[t].size() < ins.size())
+      throw std::invalid_argument("simulator: no seconds for some instructions of rank " + std::to_string(rp.rank));
     seqs.assign(ins.size(), 0);
     std::unordered_map<int, uint32_t> seq;
     uint64_t h = 1469598103934665603ull;
@@ -836,7 +849,10 @@ ExecResult Simulation::run() {
     for (uint32_t i = 0; i < ins.size(); ++i) {
       if (ins[i].deps_count > UINT16_MAX) throw std::runtime_error("simulator: an instruction with more than 65535 dependencies");
       if (is_collective(ins[i].op)) seqs[i] = seq[ins[i].group]++;
-      mix(uint64_t(ins[i].stream) | uint64_t(ins[i].deps_count) << 8 | uint64_t(seqs[i]) << 32);
+      mix(uint64_t(ins[i].stream) | uint64_t(ins[i].deps_count) << 8 | uint64_t(ins[i].op) << 24 | uint64_t(seqs[i]) << 32);
+      uint64_t bits;
+      std::memcpy(&bits, &seconds_[t][i], sizeof bits);
+      mix(bits);
       for (uint32_t d = 0; d < ins[i].deps_count; ++d) mix(rp.deps[ins[i].deps_begin + d]);
     }
     std::vector<uint32_t>& same = shapes[h];
@@ -847,8 +863,10 @@ ExecResult Simulation::run() {
       bool eq = true;
       for (uint32_t i = 0; i < ins.size() && eq; ++i) {
         const Hot& hc = hot_[tc.hot + i];
+        const Instruction& ic = program_.ranks[c].instructions[i];
         eq = hc.stream == static_cast<uint8_t>(ins[i].stream) && hc.deps_count == ins[i].deps_count &&
-             coll_seq_[tc.hot + i] == seqs[i];
+             coll_seq_[tc.hot + i] == seqs[i] && ic.op == ins[i].op &&
+             std::memcmp(&secs_[tc.hot + i], &seconds_[t][i], sizeof(double)) == 0;
         for (uint32_t d = 0; d < ins[i].deps_count && eq; ++d)
           eq = tc.deps[hc.deps_begin + d] == rp.deps[ins[i].deps_begin + d];
       }
@@ -860,6 +878,7 @@ ExecResult Simulation::run() {
     hot_.resize(base + ins.size());
     order_.resize(base + ins.size());
     coll_seq_.insert(coll_seq_.end(), seqs.begin(), seqs.end());
+    secs_.insert(secs_.end(), seconds_[t].begin(), seconds_[t].begin() + ins.size());
     Tpl& tp = tpls_[t];
     tp.hot = static_cast<uint32_t>(base);
     tp.deps = rp.deps.data();
@@ -876,6 +895,7 @@ ExecResult Simulation::run() {
       hot[i].stream = static_cast<uint8_t>(s);
       hot[i].deps_begin = ins[i].deps_begin;
       hot[i].deps_count = static_cast<uint16_t>(ins[i].deps_count);
+      if (is_compute(ins[i].op)) hot[i].kind = ins[i].op == Op::HostOptimizerStep ? kHostCompute : kGpuCompute;
       hot[i].wakes |= uint8_t(1u << s);
       for (uint32_t d = 0; d < ins[i].deps_count; ++d) hot[rp.deps[ins[i].deps_begin + d]].wakes |= uint8_t(1u << s);
     }
@@ -883,6 +903,7 @@ ExecResult Simulation::run() {
   hot_.shrink_to_fit();
   order_.shrink_to_fit();
   coll_seq_.shrink_to_fit();
+  secs_.shrink_to_fit();
   const size_t nv = vranks_.size();
   state_.assign(nv, RankState{});
   tpl_of_.resize(nv);
