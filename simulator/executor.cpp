@@ -275,6 +275,10 @@ class Simulation {
   std::vector<std::pair<int, double>> completed_;
   size_t completed_head_ = 0;
   sg4::SemaphorePtr wake_;
+  // A waiter has released wake_ since the controller last started catching up: the controller will
+  // see every job ended since, so the waiters that end after it need not release it again (one
+  // release and one controller round per instant, not one per ended job).
+  bool wake_pending_ = false;
   int active_jobs_ = 0;
   // Running flows: their activity -> the slice that waits for them. Open addressing (linear
   // probing, backward-shift deletion) keyed by the activity's address: one cache line per lookup
@@ -543,7 +547,10 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
           }
         completed_.emplace_back(me->job, sg4::Engine::get_clock());
         idle_waiters_.push_back(w);
-        wake_->release();
+        if (!wake_pending_) {
+          wake_pending_ = true;
+          wake_->release();
+        }
       }
     })->daemonize();
   }
@@ -721,6 +728,7 @@ void Simulation::controller() {
   for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) advance(v, (1u << kStreams) - 1);
   constexpr double kTick = 2e-9;  // SimGrid's timing precision is 1e-9 s
   for (;;) {
+    wake_pending_ = false;
     bool any = true;
     while (any) {
       any = false;
