@@ -47,7 +47,11 @@ inline bool owns(const void* p) { return reinterpret_cast<std::uintptr_t>(p) - g
 inline void* small(std::size_t n) {
   const std::size_t c = n == 0 ? 1 : (n + kGranule - 1) / kGranule;
   if (void* p = g_free[c]) {
-    g_free[c] = *static_cast<void**>(p);
+    void* next = *static_cast<void**>(p);
+    g_free[c] = next;
+    // The next block of this size is usually cold by the time it is asked for (at scale, freed
+    // long before among hundreds of MB): fetch it now, so that the next call does not wait for it.
+    __builtin_prefetch(next, 1, 3);
     return p;
   }
   return carve(c);

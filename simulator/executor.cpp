@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <unordered_map>
 #include <simgrid/s4u.hpp>
+#include <simgrid/simix.hpp>
+#include <simgrid/kernel/resource/Action.hpp>
 #include "core/device_model.hpp"
 #include "simulator/child_heap.hpp"
 #include <sys/resource.h>
@@ -80,12 +82,52 @@ struct Job {
   int npair = 0;
 };
 
-struct Timer {
-  double t;
-  uint64_t seq;
-  int v;
-  uint32_t i;
-  bool operator>(const Timer& o) const { return t != o.t ? t > o.t : seq > o.seq; }
+// The controller's timers, earliest first and, at equal times, in the order they were set (what
+// a binary heap of (time, sequence number) gave). Ranks that run in step set many timers at the
+// same instant: one bucket per distinct time, in push order, and a heap of the distinct times
+// (8 bytes each), so that popping walks a heap of times rather than one of every timer (the heap's
+// comparisons were most of the controller's own CPU at 65,536 GPUs).
+class TimerQueue {
+ public:
+  struct Timer { double t; int v; uint32_t i; };
+  bool empty() const { return times_.empty(); }
+  double top_time() const { return times_.front(); }
+  void push(double t, int v, uint32_t i) {
+    t += 0.0;  // -0.0 and 0.0 are one time, as in the heap's comparison
+    auto [it, fresh] = index_.try_emplace(t, 0);
+    if (fresh) {
+      if (free_.empty()) { it->second = static_cast<int>(buckets_.size()); buckets_.emplace_back(); }
+      else { it->second = free_.back(); free_.pop_back(); }
+      times_.push_back(t);
+      std::push_heap(times_.begin(), times_.end(), std::greater<double>());
+    }
+    buckets_[it->second].items.emplace_back(v, i);
+  }
+  Timer pop() {
+    const double t = times_.front();
+    auto it = index_.find(t);
+    Bucket& b = buckets_[it->second];
+    const auto [v, i] = b.items[b.head++];
+    if (b.head == b.items.size()) {
+      b.items.clear();
+      b.head = 0;
+      free_.push_back(it->second);
+      index_.erase(it);
+      std::pop_heap(times_.begin(), times_.end(), std::greater<double>());
+      times_.pop_back();
+    }
+    return {t, v, i};
+  }
+
+ private:
+  struct Bucket {
+    std::vector<std::pair<int, uint32_t>> items;
+    size_t head = 0;
+  };
+  std::vector<double> times_;                 // min-heap of the distinct times
+  std::unordered_map<double, int> index_;     // time -> its bucket
+  std::vector<Bucket> buckets_;
+  std::vector<int> free_;
 };
 
 // Who arrives last at collectives.
@@ -129,9 +171,17 @@ class Simulation {
   void advance(int v, unsigned streams);
   void start(int v, uint32_t i, double ready);
   void finish(int v, uint32_t i, double t);
-  void timer(int v, uint32_t i, double t) { timers_.push({t, timer_seq_++, v, i}); ++result_.timers; }
+  void timer(int v, uint32_t i, double t) { timers_.push(t, v, i); ++result_.timers; }
   void dispatch(const Planned& plan, int repeat, int rendezvous, std::initializer_list<std::pair<int, uint32_t>> pair);
-  static sg4::ExecPtr start_flow(const Flow& f);
+  // Flows started by one actor in one go, and the semaphore that actor waits on until they have
+  // all ended (released by the network's completion callback, flow_ended).
+  struct Slice {
+    int pending = 0;
+    sg4::SemaphorePtr ended;
+  };
+  void start_flows(const Flow* begin, const Flow* end, std::vector<sg4::ExecPtr>& out, Slice& slice);
+  static void wait_flows(std::vector<sg4::ExecPtr>& out, Slice& slice);
+  void flow_ended(const void* activity);
   void progress(bool last);
   const Planned& planned(const PlanKey& key, CommPlan (*make)(const Simulation&, const PlanKey&));
   void account(const Planned& plan, int repeat);
@@ -156,31 +206,60 @@ class Simulation {
   std::unique_ptr<Platform> platform_;
   std::unique_ptr<CollectivePlanner> planner_;
   std::vector<int> vrank_of_rank_;
-  std::vector<std::array<std::vector<uint32_t>, kStreams>> streams_;  // per template
-  std::vector<std::vector<uint32_t>> coll_seq_;                       // per template instruction
-  // Per template instruction: the streams whose head its end may let start (bit s = stream s): its
-  // own stream's next, and the streams of the instructions that depend on it.
-  std::vector<std::vector<uint8_t>> wakes_;
-  std::vector<std::array<size_t, kStreams>> cursor_;
-  std::vector<std::array<double, kStreams>> stream_free_;
-  std::vector<std::vector<char>> done_, posted_;
+  // The executor's state, laid out for an instruction's end and a stream head's start, which run
+  // once per instruction on a working set that grows with the cluster (at 65,536 GPUs, with a
+  // Program per rank, a vector per rank and kind of state put each of them on cache lines of their
+  // own): per template, flat arrays indexed from one offset; per simulated rank, one cache line.
+  // Per template instruction: its stream, its position there, its dependencies, and the streams
+  // whose head its end may let start (bit s = stream s: its own stream's next, and the streams of
+  // the instructions that depend on it).
+  // kind: a compute instruction's start reads only this and secs_ (not the Instruction, which is
+  // the rank's own: its first read was the executor's largest cache miss at 65,536 GPUs).
+  enum Kind : uint8_t { kOther = 0, kGpuCompute = 1, kHostCompute = 2 };
+  struct Hot {
+    uint32_t deps_begin = 0;  // into the template's RankProgram::deps
+    uint32_t pos = 0;         // position in its stream
+    uint16_t deps_count = 0;
+    uint8_t stream = 0;
+    uint8_t wakes = 0;
+    uint8_t kind = kOther;
+  };
+  struct Tpl {
+    uint32_t hot = 0;                  // its first instruction in hot_ and coll_seq_
+    uint32_t order[kStreams + 1] = {};  // stream s's instructions, in order: order_[order[s], order[s + 1])
+    const uint32_t* deps = nullptr;    // RankProgram::deps
+  };
+  // Per simulated rank: how far each stream is (its first `cursor` instructions have ended, so an
+  // instruction has ended iff its position is below its stream's cursor), whether the stream's
+  // head has started, and when the stream's last instruction ended.
+  struct alignas(64) RankState {
+    double stream_free[kStreams] = {};
+    uint32_t cursor[kStreams] = {};
+    uint8_t posted = 0;  // bit s: stream s's head has started
+  };
+  std::vector<Hot> hot_;
+  std::vector<uint32_t> order_, coll_seq_;
+  std::vector<double> secs_;  // seconds_, per instruction of hot_
+  std::vector<Tpl> tpls_;
+  std::vector<int32_t> tpl_of_;  // per simulated rank: its template (vranks_[v].program_index)
+  std::vector<RankState> state_;
   std::vector<int> materialized_;
   std::deque<Rendezvous> rendezvous_;             // stable references: jobs read their members
   std::vector<std::vector<int>> open_rendezvous_;  // per group: entries collecting arrivals
   std::vector<std::vector<int>> free_rendezvous_;  // per group: entries to reuse
   std::unordered_map<std::tuple<int, int, int>, P2PPost, TupleHash> p2p_;
   std::unordered_map<PlanKey, std::unique_ptr<Planned>, PlanKeyHash> plans_;
-  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
-  uint64_t timer_seq_ = 0;
+  TimerQueue timers_;
 
   // Comm jobs and their waiters.
-  struct Waiter { sg4::SemaphorePtr sem, done; int job = -1; };
+  struct Waiter { sg4::SemaphorePtr sem, done; int job = -1; Slice slice; };
   // Helpers that start and wait for a slice of a large phase's flows (run_flows).
   struct Helper {
     sg4::SemaphorePtr go, done;
     const Flow* begin = nullptr;
     const Flow* end = nullptr;
     Helper* next = nullptr;
+    Slice slice;
   };
   std::vector<std::unique_ptr<Helper>> helpers_;
   std::vector<Helper*> idle_helpers_;
@@ -196,7 +275,66 @@ class Simulation {
   std::vector<std::pair<int, double>> completed_;
   size_t completed_head_ = 0;
   sg4::SemaphorePtr wake_;
+  // A waiter has released wake_ since the controller last started catching up: the controller will
+  // see every job ended since, so the waiters that end after it need not release it again (one
+  // release and one controller round per instant, not one per ended job).
+  bool wake_pending_ = false;
   int active_jobs_ = 0;
+  // Running flows: their activity -> the slice that waits for them. Open addressing (linear
+  // probing, backward-shift deletion) keyed by the activity's address: one cache line per lookup
+  // where std::unordered_map took a bucket and a node (2.7 % of the CPU at 65,536 GPUs).
+  class FlowTable {
+   public:
+    void insert(const void* key, Slice* slice) {
+      if ((n_ + 1) * 2 > t_.size()) grow();
+      size_t i = slot(key);
+      while (t_[i].key) i = (i + 1) & mask_;
+      t_[i] = {key, slice};
+      ++n_;
+    }
+    // Removes `key`, returning its slice (nullptr if absent).
+    Slice* take(const void* key) {
+      if (t_.empty()) return nullptr;
+      size_t i = slot(key);
+      while (t_[i].key != key) {
+        if (!t_[i].key) return nullptr;
+        i = (i + 1) & mask_;
+      }
+      Slice* slice = t_[i].slice;
+      for (size_t j = i;;) {
+        j = (j + 1) & mask_;
+        if (!t_[j].key) break;
+        const size_t h = slot(t_[j].key);
+        if (i <= j ? (i < h && h <= j) : (i < h || h <= j)) continue;  // j's home is after the hole
+        t_[i] = t_[j];
+        i = j;
+      }
+      t_[i] = {};
+      --n_;
+      return slice;
+    }
+
+   private:
+    struct Entry { const void* key = nullptr; Slice* slice = nullptr; };
+    size_t slot(const void* key) const {
+      uint64_t x = reinterpret_cast<uintptr_t>(key);
+      x ^= x >> 33;
+      x *= 0xff51afd7ed558ccdull;
+      x ^= x >> 33;
+      return static_cast<size_t>(x) & mask_;
+    }
+    void grow() {
+      std::vector<Entry> old = std::move(t_);
+      t_.assign(std::max<size_t>(size_t(1) << 16, old.size() * 2), Entry{});
+      mask_ = t_.size() - 1;
+      n_ = 0;
+      for (const Entry& e : old)
+        if (e.key) insert(e.key, e.slice);
+    }
+    std::vector<Entry> t_;
+    size_t mask_ = 0, n_ = 0;
+  };
+  FlowTable running_;
 
   // Progress on stderr for long simulations.
   std::chrono::steady_clock::time_point wall0_, last_progress_;
@@ -279,12 +417,42 @@ int Simulation::rendezvous(int32_t g, uint32_t seq) {
 // removes it with std::list::remove when it ends: linear in the number of live comms of the whole
 // simulation (28% of the CPU at 8,192 GPUs, more beyond). An Exec is listed only on the actor that
 // started it.
-sg4::ExecPtr Simulation::start_flow(const Flow& f) {
-  const double bytes = static_cast<double>(static_cast<uint64_t>(std::llround(f.bytes)));  // sendto's uint64_t
-  sg4::ExecPtr e = sg4::Exec::init();
-  e->set_flops_amounts({0.0, 0.0})->set_bytes_amounts({0.0, bytes, 0.0, 0.0})->set_hosts({f.src, f.dst});
-  e->start();
-  return e;
+//
+// A slice of flows costs one simcall: each s4u setter and start() is a simcall of its own (an
+// actor context switch and a scheduling round each, five per flow), so the Execs are created here,
+// in the calling actor (whose list holds them, see run_flows), and their amounts, hosts and start
+// are set in maestro in one go, in the slice's order.
+void Simulation::start_flows(const Flow* begin, const Flow* end, std::vector<sg4::ExecPtr>& out, Slice& slice) {
+  const size_t first = out.size();
+  for (const Flow* f = begin; f != end; ++f)
+    if (f->bytes > 0) out.push_back(sg4::Exec::init());
+  if (out.size() == first) return;
+  slice.pending = static_cast<int>(out.size() - first);
+  simgrid::kernel::actor::simcall_answered([this, begin, end, first, &out, &slice] {
+    size_t k = first;
+    for (const Flow* f = begin; f != end; ++f) {
+      if (!(f->bytes > 0)) continue;
+      const double bytes = static_cast<double>(static_cast<uint64_t>(std::llround(f->bytes)));  // sendto's uint64_t
+      sg4::Exec* e = out[k++].get();
+      e->set_flops_amounts({0.0, 0.0})->set_bytes_amounts({0.0, bytes, 0.0, 0.0})->set_hosts({f->src, f->dst});
+      e->start();
+      running_.insert(e->get_impl(), &slice);
+    }
+  });
+}
+
+// Waits until the slice's flows have ended, then lets their Execs go.
+void Simulation::wait_flows(std::vector<sg4::ExecPtr>& out, Slice& slice) {
+  if (out.empty()) return;
+  slice.ended->acquire();
+  out.clear();
+}
+
+// A flow's network action has ended (in maestro, while the network model updates): the last of a
+// slice wakes the actor waiting for it.
+void Simulation::flow_ended(const void* activity) {
+  Slice* slice = running_.take(activity);
+  if (slice && --slice->pending == 0) slice->ended->release();
 }
 
 // Starts a phase's flows and waits for them all. SimGrid 3.32 lists every exec on the actor that
@@ -304,16 +472,15 @@ Simulation::Helper* Simulation::helper() {
   helpers_.push_back(std::make_unique<Helper>());
   Helper* h = helpers_.back().get();
   h->go = sg4::Semaphore::create(0);
+  h->slice.ended = sg4::Semaphore::create(0);
   sg4::Actor::create("flows-" + std::to_string(helpers_.size() - 1), platform_->driver(), [this, h] {
     std::vector<sg4::ExecPtr> mine;
     for (;;) {
       h->go->acquire();
-      mine.clear();
-      for (const Flow* f = h->begin; f != h->end; ++f)
-        if (f->bytes > 0) mine.push_back(start_flow(*f));
+      start_flows(h->begin, h->end, mine, h->slice);
       if (h->next) h->next->go->release();
       const sg4::SemaphorePtr done = h->done;
-      for (auto& e : mine) e->wait();
+      wait_flows(mine, h->slice);
       idle_helpers_.push_back(h);
       done->release();
     }
@@ -334,10 +501,9 @@ void Simulation::run_flows(const Phase& p, Waiter& me, std::vector<sg4::ExecPtr>
     h->done = me.done;
   }
   flows.clear();
-  for (size_t i = 0; i < std::min(n, kFlowsPerActor); ++i)
-    if (p.flows[i].bytes > 0) flows.push_back(start_flow(p.flows[i]));
+  start_flows(p.flows.data(), p.flows.data() + std::min(n, kFlowsPerActor), flows, me.slice);
   if (!hs.empty()) hs[0]->go->release();
-  for (auto& c : flows) c->wait();
+  wait_flows(flows, me.slice);
   for (size_t k = 1; k < slices; ++k) me.done->acquire();
 }
 
@@ -364,6 +530,7 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
     Waiter* me = waiters_.back().get();
     me->sem = sg4::Semaphore::create(0);
     me->done = sg4::Semaphore::create(0);
+    me->slice.ended = sg4::Semaphore::create(0);
     sg4::Actor::create("waiter-" + std::to_string(w), platform_->driver(), [this, me, w] {
       std::vector<sg4::ExecPtr> flows;
       for (;;) {
@@ -380,7 +547,10 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
           }
         completed_.emplace_back(me->job, sg4::Engine::get_clock());
         idle_waiters_.push_back(w);
-        wake_->release();
+        if (!wake_pending_) {
+          wake_pending_ = true;
+          wake_->release();
+        }
       }
     })->daemonize();
   }
@@ -389,16 +559,17 @@ void Simulation::dispatch(const Planned& plan, int repeat, int rendezvous,
 }
 
 void Simulation::finish(int v, uint32_t i, double t) {
-  const Instruction& in = inst(v, i);
+  const Hot& h = hot_[tpls_[tpl_of_[v]].hot + i];
   result_.spans[v][i].end = t;
-  done_[v][i] = 1;
-  const int s = static_cast<int>(in.stream);
-  ++cursor_[v][s];
-  stream_free_[v][s] = t;
+  RankState& rs = state_[v];
+  const int s = h.stream;
+  ++rs.cursor[s];
+  rs.posted &= uint8_t(~(1u << s));
+  rs.stream_free[s] = t;
   result_.makespan = std::max(result_.makespan, t);
   ++result_.instructions;
   if ((result_.instructions & 0xfff) == 0) progress(false);
-  advance(v, wakes_[vranks_[v].program_index][i]);
+  advance(v, h.wakes);
 }
 
 // One line on stderr every few seconds once a simulation has run for a few seconds (rewritten in
@@ -424,44 +595,49 @@ void Simulation::progress(bool last) {
 // A head outside the mask is running or waits for another instruction than the one that just
 // ended, so looking at it would start nothing (the mask saves the cache misses of doing so).
 void Simulation::advance(int v, unsigned streams) {
-  const int tpl = vranks_[v].program_index;
-  const RankProgram& rp = program_.ranks[tpl];
+  const Tpl& tp = tpls_[tpl_of_[v]];
+  const Hot* hot = hot_.data() + tp.hot;
+  RankState& rs = state_[v];
   for (int s = 0; s < kStreams; ++s) {
-    if (!(streams >> s & 1u) || cursor_[v][s] >= streams_[tpl][s].size()) continue;
-    const uint32_t i = streams_[tpl][s][cursor_[v][s]];
-    if (posted_[v][i]) continue;
-    const Instruction& in = rp.instructions[i];
-    double ready = stream_free_[v][s];
+    if (!(streams >> s & 1u) || tp.order[s] + rs.cursor[s] >= tp.order[s + 1]) continue;
+    if (rs.posted >> s & 1u) continue;
+    const uint32_t i = order_[tp.order[s] + rs.cursor[s]];
+    const Hot& h = hot[i];
+    double ready = rs.stream_free[s];
     bool blocked = false;
-    for (uint32_t d = 0; d < in.deps_count; ++d) {
-      const uint32_t dep = rp.deps[in.deps_begin + d];
-      if (!done_[v][dep]) { blocked = true; break; }
+    for (uint32_t d = 0; d < h.deps_count; ++d) {
+      const uint32_t dep = tp.deps[h.deps_begin + d];
+      if (hot[dep].pos >= rs.cursor[hot[dep].stream]) { blocked = true; break; }
       ready = std::max(ready, result_.spans[v][dep].end);
     }
     if (blocked) continue;
-    posted_[v][i] = 1;
+    rs.posted |= uint8_t(1u << s);
     start(v, i, ready);
   }
 }
 
 void Simulation::start(int v, uint32_t i, double ready) {
+  result_.spans[v][i].start = ready;
+  {
+    const uint32_t k = tpls_[tpl_of_[v]].hot + i;
+    const uint8_t kind = hot_[k].kind;
+    if (kind != kOther) {
+      double d = secs_[k];
+      if (kind == kGpuCompute) {  // the GPU's kernels, not the host's
+        if (!opts_.compute_scale.empty()) d *= opts_.compute_scale[v];
+        if (opts_.noise_cv > 0) d *= noise_factor(opts_.noise_cv, opts_.noise_seed, vranks_[v].rank, i);
+      }
+      timer(v, i, ready + d);
+      return;
+    }
+  }
   const VirtualRank& vr = vranks_[v];
   const Instruction& in = inst(v, i);
   const double secs = seconds_[vr.program_index][i];
   const int repeat = std::max(1, in.repeat);
-  result_.spans[v][i].start = ready;
-  if (is_compute(in.op)) {
-    double d = secs;
-    if (in.op != Op::HostOptimizerStep) {  // the GPU's kernels, not the host's
-      if (!opts_.compute_scale.empty()) d *= opts_.compute_scale[v];
-      if (opts_.noise_cv > 0) d *= noise_factor(opts_.noise_cv, opts_.noise_seed, vr.rank, i);
-    }
-    timer(v, i, ready + d);
-    return;
-  }
   if (is_collective(in.op)) {
     const int32_t g = lookup(vr.group_map, in.group);
-    const int r = rendezvous(g, coll_seq_[vr.program_index][i]);
+    const int r = rendezvous(g, coll_seq_[tpls_[tpl_of_[v]].hot + i]);
     Rendezvous& rv = rendezvous_[r];
     rv.arrived++;
     const double local = device_.collective_local_seconds(in) * repeat;
@@ -552,6 +728,7 @@ void Simulation::controller() {
   for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) advance(v, (1u << kStreams) - 1);
   constexpr double kTick = 2e-9;  // SimGrid's timing precision is 1e-9 s
   for (;;) {
+    wake_pending_ = false;
     bool any = true;
     while (any) {
       any = false;
@@ -574,9 +751,8 @@ void Simulation::controller() {
       completed_.clear();  // caught up; no waiter runs before the next simcall
       completed_head_ = 0;
       const double now = sg4::Engine::get_clock();
-      while (!timers_.empty() && timers_.top().t <= now + kTick) {
-        const Timer tm = timers_.top();
-        timers_.pop();
+      while (!timers_.empty() && timers_.top_time() <= now + kTick) {
+        const TimerQueue::Timer tm = timers_.pop();
         finish(tm.v, tm.i, tm.t);
         any = true;
       }
@@ -585,16 +761,16 @@ void Simulation::controller() {
     if (timers_.empty()) {
       wake_->acquire();
     } else {
-      const double dt = timers_.top().t - sg4::Engine::get_clock();
+      const double dt = timers_.top_time() - sg4::Engine::get_clock();
       if (dt > kTick) wake_->acquire_timeout(dt);
     }
   }
   // Anything left means the Program deadlocks.
   for (int v = 0; v < static_cast<int>(vranks_.size()); ++v) {
-    const int tpl = vranks_[v].program_index;
+    const Tpl& tp = tpls_[tpl_of_[v]];
     for (int s = 0; s < kStreams; ++s)
-      if (cursor_[v][s] < streams_[tpl][s].size()) {
-        const Instruction& in = inst(v, streams_[tpl][s][cursor_[v][s]]);
+      if (tp.order[s] + state_[v].cursor[s] < tp.order[s + 1]) {
+        const Instruction& in = inst(v, order_[tp.order[s] + state_[v].cursor[s]]);
         throw std::runtime_error("Program deadlocks in the simulator: rank " + std::to_string(vranks_[v].rank) +
                                  " stream " + to_string(in.stream) + " is stuck at " + to_string(in.op) + " (" +
                                  to_string(in.purpose) + ", micro-batch " + std::to_string(in.micro_batch) + ")");
@@ -652,30 +828,94 @@ ExecResult Simulation::run() {
   result_.platform_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
 
-  // Per template: stream order and collective sequence numbers.
-  streams_.resize(program_.ranks.size());
-  coll_seq_.resize(program_.ranks.size());
-  wakes_.resize(program_.ranks.size());
-  static_assert(kStreams <= 8, "wakes_ holds a stream mask in 8 bits");
+  // Per template: stream order, positions, wake masks, collective sequence numbers, and each compute
+  // instruction's kind and seconds. Templates of the same shape (the same streams, dependencies,
+  // collective sequence numbers, ops and seconds: every rank of a pipeline stage and TP position
+  // when each rank has its own template) share one copy, so that what every instruction's end and
+  // a compute instruction's start read stays in the cache whatever the cluster's size.
+  static_assert(kStreams <= 8, "Hot::wakes and RankState::posted hold a stream mask in 8 bits");
+  size_t total = 0;
+  for (const RankProgram& rp : program_.ranks) total += rp.instructions.size();
+  if (total > UINT32_MAX) throw std::runtime_error("simulator: more than 2^32 instructions");
+  hot_.reserve(total);
+  coll_seq_.reserve(total);
+  secs_.reserve(total);
+  order_.reserve(total);
+  tpls_.resize(program_.ranks.size());
+  std::unordered_map<uint64_t, std::vector<uint32_t>> shapes;  // shape hash -> templates kept
+  std::vector<uint32_t> seqs;
   for (size_t t = 0; t < program_.ranks.size(); ++t) {
     const RankProgram& rp = program_.ranks[t];
     const auto& ins = rp.instructions;
-    coll_seq_[t].assign(ins.size(), 0);
-    wakes_[t].assign(ins.size(), 0);
+    if (t >= seconds_.size() || seconds_[t].size() < ins.size())
+      throw std::invalid_argument("simulator: no seconds for some instructions of rank " + std::to_string(rp.rank));
+    seqs.assign(ins.size(), 0);
     std::unordered_map<int, uint32_t> seq;
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+    mix(ins.size());
+    for (uint32_t i = 0; i < ins.size(); ++i) {
+      if (ins[i].deps_count > UINT16_MAX) throw std::runtime_error("simulator: an instruction with more than 65535 dependencies");
+      if (is_collective(ins[i].op)) seqs[i] = seq[ins[i].group]++;
+      mix(uint64_t(ins[i].stream) | uint64_t(ins[i].deps_count) << 8 | uint64_t(ins[i].op) << 24 | uint64_t(seqs[i]) << 32);
+      uint64_t bits;
+      std::memcpy(&bits, &seconds_[t][i], sizeof bits);
+      mix(bits);
+      for (uint32_t d = 0; d < ins[i].deps_count; ++d) mix(rp.deps[ins[i].deps_begin + d]);
+    }
+    std::vector<uint32_t>& same = shapes[h];
+    bool shared = false;
+    for (uint32_t c : same) {
+      const Tpl& tc = tpls_[c];
+      if (program_.ranks[c].instructions.size() != ins.size()) continue;
+      bool eq = true;
+      for (uint32_t i = 0; i < ins.size() && eq; ++i) {
+        const Hot& hc = hot_[tc.hot + i];
+        const Instruction& ic = program_.ranks[c].instructions[i];
+        eq = hc.stream == static_cast<uint8_t>(ins[i].stream) && hc.deps_count == ins[i].deps_count &&
+             coll_seq_[tc.hot + i] == seqs[i] && ic.op == ins[i].op &&
+             std::memcmp(&secs_[tc.hot + i], &seconds_[t][i], sizeof(double)) == 0;
+        for (uint32_t d = 0; d < ins[i].deps_count && eq; ++d)
+          eq = tc.deps[hc.deps_begin + d] == rp.deps[ins[i].deps_begin + d];
+      }
+      if (eq) { tpls_[t] = tc; shared = true; break; }
+    }
+    if (shared) continue;
+    same.push_back(static_cast<uint32_t>(t));
+    const size_t base = hot_.size();
+    hot_.resize(base + ins.size());
+    order_.resize(base + ins.size());
+    coll_seq_.insert(coll_seq_.end(), seqs.begin(), seqs.end());
+    secs_.insert(secs_.end(), seconds_[t].begin(), seconds_[t].begin() + ins.size());
+    Tpl& tp = tpls_[t];
+    tp.hot = static_cast<uint32_t>(base);
+    tp.deps = rp.deps.data();
+    Hot* hot = hot_.data() + base;
+    uint32_t count[kStreams] = {};
+    for (const Instruction& in : ins) ++count[static_cast<int>(in.stream)];
+    tp.order[0] = static_cast<uint32_t>(base);
+    for (int s = 0; s < kStreams; ++s) tp.order[s + 1] = tp.order[s] + count[s];
+    uint32_t fill[kStreams] = {};
     for (uint32_t i = 0; i < ins.size(); ++i) {
       const int s = static_cast<int>(ins[i].stream);
-      streams_[t][s].push_back(i);
-      if (is_collective(ins[i].op)) coll_seq_[t][i] = seq[ins[i].group]++;
-      wakes_[t][i] |= uint8_t(1u << s);
-      for (uint32_t d = 0; d < ins[i].deps_count; ++d) wakes_[t][rp.deps[ins[i].deps_begin + d]] |= uint8_t(1u << s);
+      order_[tp.order[s] + fill[s]] = i;
+      hot[i].pos = fill[s]++;
+      hot[i].stream = static_cast<uint8_t>(s);
+      hot[i].deps_begin = ins[i].deps_begin;
+      hot[i].deps_count = static_cast<uint16_t>(ins[i].deps_count);
+      if (is_compute(ins[i].op)) hot[i].kind = ins[i].op == Op::HostOptimizerStep ? kHostCompute : kGpuCompute;
+      hot[i].wakes |= uint8_t(1u << s);
+      for (uint32_t d = 0; d < ins[i].deps_count; ++d) hot[rp.deps[ins[i].deps_begin + d]].wakes |= uint8_t(1u << s);
     }
   }
+  hot_.shrink_to_fit();
+  order_.shrink_to_fit();
+  coll_seq_.shrink_to_fit();
+  secs_.shrink_to_fit();
   const size_t nv = vranks_.size();
-  cursor_.assign(nv, {});
-  stream_free_.assign(nv, {});
-  done_.resize(nv);
-  posted_.resize(nv);
+  state_.assign(nv, RankState{});
+  tpl_of_.resize(nv);
+  for (size_t v = 0; v < nv; ++v) tpl_of_[v] = vranks_[v].program_index;
   result_.spans.resize(nv);
   late_.assign(nv, Lateness{});
   materialized_.assign(program_.groups.size(), 0);
@@ -683,8 +923,6 @@ ExecResult Simulation::run() {
   free_rendezvous_.assign(program_.groups.size(), {});
   for (size_t v = 0; v < nv; ++v) {
     const auto& rp = program_.ranks.at(vranks_[v].program_index);
-    done_[v].assign(rp.instructions.size(), 0);
-    posted_[v].assign(rp.instructions.size(), 0);
     total_instructions_ += rp.instructions.size();
     result_.spans[v].assign(rp.instructions.size(), Span{});
     std::vector<int32_t> groups;
@@ -696,6 +934,16 @@ ExecResult Simulation::run() {
   }
 
   wake_ = sg4::Semaphore::create(0);
+  // Flow ends, from the network model (see start_flows). A NetworkAction is an Action (its only
+  // base), which the public headers declare; the state is the new one.
+  sg4::Link::on_communication_state_change_cb(
+      [this](simgrid::kernel::resource::NetworkAction& na, simgrid::kernel::resource::Action::State) {
+        const auto& a = reinterpret_cast<const simgrid::kernel::resource::Action&>(na);
+        const auto st = a.get_state();
+        if (st == simgrid::kernel::resource::Action::State::FINISHED ||
+            st == simgrid::kernel::resource::Action::State::FAILED)
+          flow_ended(a.get_activity());
+      });
   std::string error;
   sg4::Actor::create("controller", platform_->driver(), [this, &error] {
     try { controller(); } catch (const std::exception& e) { error = e.what(); }

@@ -1,8 +1,9 @@
 // Runs a Program on the simulated platform: one SimGrid controller actor plays every rank's streams
 // (compute and closed-form work are timers on its own event queue, so their times are exactly the
 // DeviceModel's), and a pool of waiter actors runs the flows of collectives, send/recv and copies.
-// Nothing here waits on more than one activity at a time (SimGrid 3.32's wait_any is linear in its
-// vector), and each simulation runs in a forked child: a SimGrid Engine lives once per process.
+// Nothing here calls wait_any (SimGrid 3.32's is linear in its vector): a waiter sleeps on one
+// semaphore per slice of flows, released by the network model's completion signal. Each
+// simulation runs in a forked child: a SimGrid Engine lives once per process.
 #pragma once
 #include <string>
 #include <vector>

@@ -68,3 +68,39 @@ TEST_CASE("executor: each rank's spans come back from the child, and a deadlock 
     CHECK(std::string(e.what()) == "Program deadlocks in the simulator: rank 0 stream pp_comm is stuck at send (none, micro-batch -1)");
   }
 }
+
+// Ranks whose instruction streams have the same shape (streams, dependencies, collective
+// sequence numbers) share one copy of the executor's per-instruction state; a rank that differs
+// only in which instruction a dependency names must keep its own.
+TEST_CASE("executor: ranks of the same shape share state, a different dependency keeps its own") {
+  Program p;
+  p.world = 3;
+  p.ranks.resize(3);
+  for (int r = 0; r < 3; ++r) {
+    RankProgram& rp = p.ranks[r];
+    rp.rank = r;
+    Instruction a{Op::Forward};
+    a.flops = 1e9;
+    rp.add(a);                            // 0: compute stream, 1 ms
+    Instruction b{Op::Forward};
+    b.stream = Stream::Host;
+    rp.add(b);                            // 1: host stream, 4 ms
+    Instruction c{Op::Forward};
+    c.stream = Stream::Offload;
+    rp.add(c, {r == 1 ? 1u : 0u});        // 2: after 0 (ranks 0, 2) or after 1 (rank 1), 0.1 ms
+  }
+  const Scenario sc = simtest::cluster_scenario(3, 1, 1, 25e9);
+  std::vector<sim::VirtualRank> vranks(3);
+  for (int r = 0; r < 3; ++r) vranks[r].rank = vranks[r].program_index = r;
+  const std::vector<std::vector<double>> seconds(3, std::vector<double>{1e-3, 4e-3, 1e-4});
+  const sim::ExecResult r = sim::execute(sc, p, vranks, seconds, sim::ExecOptions{});
+  REQUIRE(r.spans.size() == 3);
+  CHECK(r.instructions == 9);
+  for (int k : {0, 2}) {
+    CHECK(r.spans[k][2].start == 1e-3);
+    CHECK(r.spans[k][2].end == 1e-3 + 1e-4);
+  }
+  CHECK(r.spans[1][2].start == 4e-3);
+  CHECK(r.spans[1][2].end == 4e-3 + 1e-4);
+  CHECK(r.makespan == 4e-3 + 1e-4);
+}
