@@ -405,13 +405,15 @@ struct Evaluation {
   std::vector<double> busy;  // [rank index * kStreams + stream] seconds
 };
 
-Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, CollectivePrices* prices, bool busy = false) {
+Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, CollectivePrices* prices, StagePlanCache* stage_plans,
+                       bool busy = false) {
   Scenario s = sc;
   s.training.grad_accum = grad_accum;
   s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
   BuildOptions bo;
   bo.representative_only = true;
   bo.collapse_chains = collapse;
+  bo.stage_plans = stage_plans;
   const Program program = build_program(s, bo);
   const Timeline tl = estimate(s, program, prices);
   Evaluation r;
@@ -515,9 +517,9 @@ std::array<int, 3> extrapolation_points(const Scenario& sc) {
   return {m1, m2, m3};
 }
 
-PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, CollectivePrices* prices) {
+PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, CollectivePrices* prices, StagePlanCache* stage_plans) {
   const auto [m1, m2, m3] = exact ? std::array<int, 3>{0, 0, 0} : extrapolation_points(sc);
-  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
+  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans).score;
   // Steady between two evaluations: no stream of any rank is busy longer per micro-batch than the
   // makespan grows (one that is falls further behind with every micro-batch: a slower stage whose
   // line has not taken over yet).
@@ -528,14 +530,14 @@ PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, Collecti
       busiest = std::max(busiest, (y.busy[i] - x.busy[i]) / (my - mx));
     return busiest <= slope * (1 + 1e-6);
   };
-  const Evaluation ea = evaluate_at(sc, m1, collapse, prices, true), eb = evaluate_at(sc, m2, collapse, prices, true);
-  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
-  const Evaluation ec = evaluate_at(sc, m3, collapse, prices, true);
+  const Evaluation ea = evaluate_at(sc, m1, collapse, prices, stage_plans, true), eb = evaluate_at(sc, m2, collapse, prices, stage_plans, true);
+  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans).score;
+  const Evaluation ec = evaluate_at(sc, m3, collapse, prices, stage_plans, true);
   const PlanScore &a = ea.score, &b = eb.score, &c = ec.score;
   const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
   const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
   if (std::abs(s23 - s12) > 1e-6 * std::abs(s23) || !steady(eb, ec, m2, m3))
-    return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;  // not steady yet
+    return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans).score;  // not steady yet
   const double k = double(sc.training.grad_accum - m2) / double(m3 - m2);
   auto line = [&](double x, double y) { return x + k * (y - x); };
   PlanScore r;
@@ -631,9 +633,10 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
   pr.fitting = total;
   res.ranked.reserve(total);
   CollectivePrices prices;  // every point of this search runs on the same cluster
+  StagePlanCache stage_plans;  // and is apply_point of one base scenario
   for (size_t i = 0; i < total; ++i) {
     const Candidate& c = fitting[i];
-    const PlanScore score = score_scenario(c.scenario, o.exact, true, &prices);
+    const PlanScore score = score_scenario(c.scenario, o.exact, true, &prices, &stage_plans);
     if (score.extrapolated) ++res.extrapolated;
     Report r;
     r.iteration_seconds = score.iteration_seconds;

@@ -132,7 +132,13 @@ struct StagePlan {
   // Stage 3: all-gather calls the engine issues for each group (core/zero3_placement.hpp).
   std::vector<int> s3_dense_calls, s3_expert_calls;
   std::vector<int> s3_dense_reduces, s3_expert_reduces;  // reduce-scatter calls per group
-  const std::vector<Action>* actions = nullptr;  // into Builder::schedule()
+};
+
+// Every stage's plan and the kernel lists their segments index (Program::op_lists), as one
+// build makes them (BuildOptions::stage_plans).
+struct StagePlans {
+  std::vector<StagePlan> plans;
+  std::shared_ptr<std::vector<std::vector<LayerOp>>> op_lists;  // (shared with the Programs: OpLists)
 };
 
 struct OpListCache {
@@ -241,8 +247,9 @@ class Builder {
     prog.representative_only = opts_.representative_only;
     group_ids_.assign(7, {});
     for (int k = 0; k < 7; ++k) group_ids_[k].assign(grid_.group_count(GroupKind(k)), -1);
-    plans_.resize(p_);
-    for (int s = 0; s < p_; ++s) plan_stage(s, prog);
+    plan_stages(prog);
+    stage_actions_.resize(p_);
+    for (int s = 0; s < p_; ++s) stage_actions_[s] = &schedule()[s];
     std::vector<int> ranks;
     if (opts_.representative_only) {
       for (int s = 0; s < p_; ++s) ranks.push_back(grid_.rank_of(0, s, 0));
@@ -482,8 +489,11 @@ class Builder {
     return segs;
   }
 
+  // Every stage's plan, or the cached ones (BuildOptions::stage_plans) with their kernel lists.
+  void plan_stages(Program& prog);
+
   void plan_stage(int s, Program& prog) {
-    StagePlan& plan = plans_[s];
+    StagePlan& plan = own_plans_[s];
     plan.stage = s;
     const int last_vs = p_ * v_ - 1;
     std::vector<Tensor> tensors;
@@ -626,7 +636,6 @@ class Builder {
         ch.bwd_split = segments(prog, ch, cuts);
       }
     }
-    plan.actions = &schedule()[s];
   }
 
   // Every stage's action list: DeepSpeed's 1F1B, or Megatron's interleaved order placed by a
@@ -958,7 +967,8 @@ class Builder {
     x.rp = &rp;
     x.prog = &prog;
     x.c = grid_.coord(rp.rank);
-    x.plan = &plans_[x.c.pp];
+    x.plan = &(*plans_)[x.c.pp];
+    const std::vector<Action>& actions = *stage_actions_[x.c.pp];
     const StagePlan& plan = *x.plan;
     x.tp_g = t_ > 1 ? group_id(prog, GroupKind::TP, rp.rank) : -1;
     x.dp_n = sc_.parallel.dp;
@@ -984,7 +994,7 @@ class Builder {
     // Stage 3: the compute segments in program order (for the prefetching gathers).
     std::vector<SegRef> segs;
     if (zero_ == 3) {
-      for (const Action& a : *plan.actions) {
+      for (const Action& a : actions) {
         if (a.act == Act::Fwd)
           for (int k = 0; k < int(plan.chunks[a.chunk].fwd.size()); ++k) segs.push_back({true, a.chunk, k});
         if (a.act == Act::Bwd)
@@ -994,7 +1004,7 @@ class Builder {
       x.ag.assign(segs.size(), {kNone, kNone});
     }
 
-    for (const Action& a : *plan.actions) {
+    for (const Action& a : actions) {
       const Chunk& ch = plan.chunks[a.chunk];
       const int slot = a.chunk * M_ + a.mb;
       switch (a.act) {
@@ -1626,7 +1636,10 @@ class Builder {
   double act_bytes_ = 0, p2p_act_bytes_ = 0, p2p_grad_bytes_ = 0, a2a_bytes_ = 0, moe_buffer_bytes_ = 0;
   PipelineEngineModel engine_;
   std::vector<int> vs_layers_, vs_first_layer_;
-  std::vector<StagePlan> plans_;
+  std::vector<StagePlan> own_plans_;
+  const std::vector<StagePlan>* plans_ = nullptr;         // own_plans_ or cached_->plans
+  std::shared_ptr<const StagePlans> cached_;               // (BuildOptions::stage_plans)
+  std::vector<const std::vector<Action>*> stage_actions_;  // [stage] into schedule()
   OpListCache cache_;
   std::vector<std::vector<int>> group_ids_;
   std::vector<std::vector<Action>> interleaved_actions_;  // run_interleaved_unit_schedule's result
@@ -1634,6 +1647,50 @@ class Builder {
   std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
   std::unordered_map<uint64_t, std::vector<int32_t>> chain_index_;  // collapse_chains: chains by cost hash
 };
+
+}  // namespace
+
+struct StagePlanCache::Impl {
+  std::map<std::vector<int64_t>, std::shared_ptr<const StagePlans>> done;
+};
+StagePlanCache::StagePlanCache() : impl(std::make_unique<Impl>()) {}
+StagePlanCache::~StagePlanCache() = default;
+
+namespace {
+
+void Builder::plan_stages(Program& prog) {
+  StagePlanCache* cache = opts_.stage_plans;
+  std::vector<int64_t> key;
+  if (cache) {
+    // What plan_stage reads of the scenario that a search varies (StagePlanCache): not the
+    // micro-batch count. The offload matters to ZeRO-3's gradient fold only.
+    const Scenario& sc = sc_;
+    key = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, sc.parallel.sequence_parallel ? 1 : 0, b_, zero_,
+           static_cast<int64_t>(sc.recompute), zero_ == 3 && sc.zero.offload_optimizer ? 1 : 0,
+           sc.checkpointing.partition_activations ? 1 : 0, sc.checkpointing.cpu_checkpointing ? 1 : 0,
+           sc.finetune.rank};
+    key.insert(key.end(), vs_layers_.begin(), vs_layers_.end());
+    if (auto it = cache->impl->done.find(key); it != cache->impl->done.end()) {
+      cached_ = it->second;
+      plans_ = &cached_->plans;
+      prog.op_lists.share(cached_->op_lists);
+      return;
+    }
+  }
+  own_plans_.assign(p_, {});
+  for (int s = 0; s < p_; ++s) plan_stage(s, prog);
+  plans_ = &own_plans_;
+  if (!cache) return;
+  auto e = std::make_shared<StagePlans>();
+  e->plans = std::move(own_plans_);
+  e->op_lists = prog.op_lists.shared();
+  cached_ = e;
+  plans_ = &cached_->plans;
+  // A search meets its configurations' keys in runs (the fast path's Programs of one, then the
+  // offload variants): the last few are enough.
+  if (cache->impl->done.size() >= 64) cache->impl->done.clear();
+  cache->impl->done.emplace(std::move(key), std::move(e));
+}
 
 }  // namespace
 
