@@ -82,6 +82,9 @@ struct Instruction {
   Op op;
   Stream stream = Stream::Compute;
   Purpose purpose = Purpose::None;
+  // (The padding made a member: zero, so that equal instructions are equal byte for byte, which
+  // evaluate_program_reusing compares.)
+  uint8_t reserved = 0;
   int32_t micro_batch = -1;  // -1: not tied to a micro-batch (optimizer, final reduction)
   int32_t chunk = -1;        // model chunk (virtual pipeline stage) on this rank
   int32_t layer_begin = -1;  // global index of the first layer the instruction covers
