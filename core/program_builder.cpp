@@ -382,9 +382,12 @@ class Builder {
       auto e = embedding_forward_ops(m_, shape);
       ops.insert(ops.end(), e.begin(), e.end());
     }
+    // (A layer's kernels depend on whether it is an MoE layer only: made once per kind.)
+    std::vector<LayerOp> layer_ops[2];
     for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l) {
       shape.moe = is_moe_layer(m_, l);
-      auto e = layer_forward_ops(m_, shape);
+      std::vector<LayerOp>& e = layer_ops[shape.moe ? 1 : 0];
+      if (e.empty()) e = layer_forward_ops(m_, shape);
       ops.insert(ops.end(), e.begin(), e.end());
     }
     if (seg.head) {
@@ -492,7 +495,9 @@ class Builder {
   // Every stage's plan, or the cached ones (BuildOptions::stage_plans) with their kernel lists.
   void plan_stages(Program& prog);
 
-  void plan_stage(int s, Program& prog) {
+  // A stage's chunks (layer ranges), tensors, ZeRO partitions and buckets: what the segments are
+  // cut from. It does not depend on the micro-batch size, recompute or sequence parallelism.
+  void plan_partition(int s) {
     StagePlan& plan = own_plans_[s];
     plan.stage = s;
     const int last_vs = p_ * v_ - 1;
@@ -522,6 +527,10 @@ class Builder {
     ZeroPartitionSpec dspec, espec;
     std::vector<const Tensor*> dtensors, etensors;  // the specs' tensors, in spec order
     const bool frozen_any = sc_.finetune.freezes_anything();
+    for (ZeroPartitionSpec* sp : {&dspec, &espec}) {
+      sp->numel.reserve(tensors.size());
+      sp->layer.reserve(tensors.size());
+    }
     for (const Tensor& t : tensors) {
       if (!t.trainable && zero_ < 3) continue;  // replicated, never reduced or stepped
       ZeroPartitionSpec& sp = t.expert ? espec : dspec;
@@ -617,8 +626,11 @@ class Builder {
     if (plan.has_expert)
       for (size_t k = 0; k < plan.expert.stage3_groups.size(); ++k)
         plan.s3_expert[plan.expert.stage3_groups[k].layer] = int(k);
+  }
 
-    // Segments.
+  // A stage's compute segments and their kernel lists (into `prog`), after plan_partition.
+  void plan_segments(int s, Program& prog) {
+    StagePlan& plan = own_plans_[s];
     for (int c = 0; c < v_; ++c) {
       Chunk& ch = plan.chunks[c];
       std::vector<int> per_layer;
@@ -723,8 +735,10 @@ class Builder {
     // finish time and identity, identical on both sides), class 1 = compute.
     using Key = std::tuple<int64_t, int, int, int, int>;
     interleaved_actions_.assign(p_, {});
+    std::vector<std::pair<Key, Action>> ev;
     for (int s = 0; s < p_; ++s) {
-      std::vector<std::pair<Key, Action>> ev;
+      ev.clear();
+      ev.reserve(3 * order[s].size());
       for (const PipeStep& st : order[s]) {
         const int vs = st.chunk * p_ + s;
         const int mb = st.micro_batch;
@@ -743,6 +757,7 @@ class Builder {
         }
       }
       std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      interleaved_actions_[s].reserve(ev.size());
       for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
     }
   }
@@ -1652,6 +1667,8 @@ class Builder {
 
 struct StagePlanCache::Impl {
   std::map<std::vector<int64_t>, std::shared_ptr<const StagePlans>> done;
+  // The stages' partitions (plan_partition, no segments yet), by fewer keys.
+  std::map<std::vector<int64_t>, std::shared_ptr<const std::vector<StagePlan>>> partitions;
 };
 StagePlanCache::StagePlanCache() : impl(std::make_unique<Impl>()) {}
 StagePlanCache::~StagePlanCache() = default;
@@ -1677,8 +1694,26 @@ void Builder::plan_stages(Program& prog) {
       return;
     }
   }
-  own_plans_.assign(p_, {});
-  for (int s = 0; s < p_; ++s) plan_stage(s, prog);
+  // The partitions: shared by configurations that differ in the micro-batch size, recompute or
+  // sequence parallelism too (copied: the segments are added to them).
+  std::vector<int64_t> pkey;
+  if (cache) {
+    const Scenario& sc = sc_;
+    pkey = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, zero_, sc.finetune.rank};
+    pkey.insert(pkey.end(), vs_layers_.begin(), vs_layers_.end());
+  }
+  const auto found = cache ? cache->impl->partitions.find(pkey) : decltype(cache->impl->partitions)::iterator{};
+  if (cache && found != cache->impl->partitions.end()) {
+    own_plans_ = *found->second;
+  } else {
+    own_plans_.assign(p_, {});
+    for (int s = 0; s < p_; ++s) plan_partition(s);
+    if (cache) {
+      if (cache->impl->partitions.size() >= 64) cache->impl->partitions.clear();
+      cache->impl->partitions.emplace(std::move(pkey), std::make_shared<const std::vector<StagePlan>>(own_plans_));
+    }
+  }
+  for (int s = 0; s < p_; ++s) plan_segments(s, prog);
   plans_ = &own_plans_;
   if (!cache) return;
   auto e = std::make_shared<StagePlans>();

@@ -1231,7 +1231,8 @@ TEST_CASE("build_program with a StagePlanCache builds the Programs it builds wit
   // A planner's search shares the stage plans (and their kernel lists) between Programs of one
   // base scenario; each Program must be the one built alone: the same instructions byte for byte
   // (every field), dependencies, chains and kernel lists. The sequence revisits
-  // cached keys (another micro-batch count, ZeRO-1 with and without offload) and misses them.
+  // cached keys (another micro-batch count, ZeRO-1 with and without offload), misses them, and
+  // takes the stage partitions (not the segments) of another micro-batch size, recompute or SP.
   const auto same = [](const std::vector<Instruction>& x, const std::vector<Instruction>& y) {
     if (x.size() != y.size()) return false;
     for (size_t i = 0; i < x.size(); ++i) {
@@ -1253,6 +1254,8 @@ TEST_CASE("build_program with a StagePlanCache builds the Programs it builds wit
       {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "zero.offload_optimizer=true"},
       {"parallel.pp=8", "parallel.dp=16", "zero.stage=0"},
       {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "training.micro_batch=2"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "activation_checkpointing.mode=selective"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "parallel.sequence_parallel=true"},
       {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "parallel.interleave=3"},
       {"parallel.pp=1", "parallel.dp=128", "zero.stage=3", "training.micro_batch=2"},
       {"parallel.pp=1", "parallel.dp=128", "zero.stage=3", "training.micro_batch=2", "zero.offload_optimizer=true"},
