@@ -145,44 +145,62 @@ struct P2PPosted {
   double ready;
 };
 
-}  // namespace
-
-Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds) {
-  // Each stream runs in order as far as its dependencies, collective rendezvous and send/recv
-  // matches allow (below: a queue of streams that can move).
-  // Collectives of a group with one materialized member (every DP / TP group of a
-  // representative-only Program) complete on arrival; the others meet in `collectives`.
+// Index of each materialized rank (-1: not materialized), and how many materialized members each
+// group has: a rendezvous completes when they all arrive.
+void materialized_members(const Program& program, std::vector<int>& index_of_rank, std::vector<int>& materialized) {
   const size_t nr = program.ranks.size();
-  Timeline tl;
-  tl.spans.resize(nr);
-  std::vector<int> index_of_rank(program.world > 0 ? program.world : 0, -1);
+  index_of_rank.assign(program.world > 0 ? program.world : 0, -1);
   for (size_t ri = 0; ri < nr; ++ri) {
     const int r = program.ranks[ri].rank;
     if (r >= static_cast<int>(index_of_rank.size())) index_of_rank.resize(r + 1, -1);
     index_of_rank[r] = static_cast<int>(ri);
   }
-  // How many materialized members each group has: the rendezvous completes when they all arrive.
   const size_t ng = program.groups.size();
-  std::vector<int> materialized(ng, 0);
+  materialized.assign(ng, 0);
   for (size_t g = 0; g < ng; ++g)
     for (int r : program.groups[g].ranks)
       if (r < static_cast<int>(index_of_rank.size()) && index_of_rank[r] >= 0) ++materialized[g];
+}
 
-  // Per rank and stream, in stream order: what the loop below reads of each instruction, compact
-  // (the loop does not read the instructions themselves: a Program of a deep pipeline is several
-  // MB of them, and reading one per step was most of the loop's cache misses).
-  enum Kind : uint8_t { kPlain, kRendezvous, kPointToPoint };
-  struct Entry {
-    uint32_t i, deps_begin, deps_count;
-    int32_t a;   // rendezvous: the group; send / recv: the peer
-    uint32_t b;  // rendezvous: its sequence on the group; send / recv: the tag
-    Kind kind;
-    bool send;
-  };
-  // Kept between calls (per thread): a planner evaluates thousands of Programs, and allocating
-  // these afresh each time had every first write miss the cache.
-  static thread_local std::vector<std::array<std::vector<Entry>, kStreams>> streams;
-  static thread_local std::vector<std::vector<char>> done, posted;
+// Per rank and stream, in stream order: what the loop below reads of each instruction, compact
+// (the loop does not read the instructions themselves: a Program of a deep pipeline is several
+// MB of them, and reading one per step was most of the loop's cache misses).
+enum Kind : uint8_t { kPlain, kRendezvous, kPointToPoint };
+struct Entry {
+  uint32_t i, deps_begin, deps_count;
+  int32_t a;   // rendezvous: the group; send / recv: the peer
+  uint32_t b;  // rendezvous: its sequence on the group; send / recv: the tag
+  Kind kind;
+  bool send;
+};
+// Kept between calls (per thread): a planner evaluates thousands of Programs, and allocating
+// these afresh each time had every first write miss the cache. `done` also carries what
+// evaluate_program_reusing took from its reference into evaluate.
+thread_local std::vector<std::array<std::vector<Entry>, kStreams>> t_streams;
+thread_local std::vector<std::vector<char>> t_done, t_posted;
+
+// Instructions evaluate_program_reusing took from its reference: marked in t_done, their spans in
+// the timeline; per rank and stream, when the last of them ends.
+struct Preset {
+  std::vector<std::array<double, kStreams>> free;
+  std::vector<uint32_t> from;  // per rank: every instruction before it is taken
+};
+
+// evaluate_program; with `preset`, the instructions marked done keep their spans.
+Timeline evaluate(const Program& program, const std::vector<std::vector<double>>& seconds, Timeline tl,
+                  const Preset* preset) {
+  // Each stream runs in order as far as its dependencies, collective rendezvous and send/recv
+  // matches allow (below: a queue of streams that can move).
+  // Collectives of a group with one materialized member (every DP / TP group of a
+  // representative-only Program) complete on arrival; the others meet in `collectives`.
+  const size_t nr = program.ranks.size();
+  tl.spans.resize(nr);
+  std::vector<int> index_of_rank, materialized;
+  materialized_members(program, index_of_rank, materialized);
+  const size_t ng = program.groups.size();
+  auto& streams = t_streams;
+  auto& done = t_done;
+  auto& posted = t_posted;
   if (streams.size() < nr) streams.resize(nr);
   if (done.size() < nr) done.resize(nr), posted.resize(nr);
   std::vector<std::array<size_t, kStreams>> cursor(nr);
@@ -193,12 +211,16 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   size_t p2p_count = 0;
   for (size_t ri = 0; ri < nr; ++ri) {
     const auto& ins = program.ranks[ri].instructions;
-    tl.spans[ri].resize(ins.size());
-    done[ri].assign(ins.size(), 0);
+    if (!preset) {
+      tl.spans[ri].resize(ins.size());
+      done[ri].assign(ins.size(), 0);
+    }
     posted[ri].assign(ins.size(), 0);
+    const char* done_r = done[ri].data();
     std::fill(seq_by_group.begin(), seq_by_group.end(), 0);
     for (int s = 0; s < kStreams; ++s) streams[ri][s].clear();  // (their capacity stays: no counting pass)
-    for (uint32_t i = 0; i < ins.size(); ++i) {
+    for (uint32_t i = preset ? preset->from[ri] : 0; i < ins.size(); ++i) {
+      if (preset && done_r[i]) continue;  // (never a rendezvous: their sequences count the rest only)
       const Instruction& in = ins[i];
       // Written in place, field by field (an Entry assembled on the stack and then copied was
       // read back wider than it was written: a store-forwarding stall on every instruction).
@@ -227,8 +249,9 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
       }
     }
     cursor[ri].fill(0);
-    stream_free[ri].fill(0.0);
-    remaining += ins.size();
+    if (preset) stream_free[ri] = preset->free[ri];
+    else stream_free[ri].fill(0.0);
+    for (int s = 0; s < kStreams; ++s) remaining += streams[ri][s].size();
   }
 
   std::vector<std::vector<Rendezvous>> collectives(ng);  // [group][sequence]
@@ -384,6 +407,140 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
     throw std::runtime_error("Program deadlocks");
   }
   return tl;
+}
+
+}  // namespace
+
+Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds) {
+  return evaluate(program, seconds, Timeline{}, nullptr);
+}
+
+namespace {
+
+// The first index at which two arrays of trivially copyable values differ in their bytes (the
+// shorter one's size when one is a prefix of the other).
+template <class T>
+size_t first_difference(const std::vector<T>& x, const std::vector<T>& y) {
+  const size_t n = std::min(x.size(), y.size());
+  constexpr size_t kBlock = 64;
+  size_t i = 0;
+  while (i + kBlock <= n && std::memcmp(x.data() + i, y.data() + i, kBlock * sizeof(T)) == 0) i += kBlock;
+  while (i < n && std::memcmp(x.data() + i, y.data() + i, sizeof(T)) == 0) ++i;
+  return i;
+}
+
+}  // namespace
+
+bool evaluate_program_reusing(const Program& program, const std::vector<std::vector<double>>& seconds,
+                              const EvaluatedProgram& ref, Timeline& out) {
+  const Program& a = ref.program;
+  const size_t nr = program.ranks.size();
+  if (a.ranks.size() != nr || a.world != program.world || a.groups.size() != program.groups.size() ||
+      ref.timeline.spans.size() != nr || ref.seconds.size() != nr)
+    return false;
+  for (size_t g = 0; g < a.groups.size(); ++g)
+    if (a.groups[g].kind != program.groups[g].kind || a.groups[g].ranks != program.groups[g].ranks) return false;
+  std::vector<int> index_of_rank, materialized;
+  materialized_members(program, index_of_rank, materialized);
+  auto& done = t_done;
+  if (t_streams.size() < nr) t_streams.resize(nr);
+  if (done.size() < nr) done.resize(nr), t_posted.resize(nr);
+  Timeline tl;
+  tl.spans.resize(nr);
+  Preset preset;
+  preset.free.assign(nr, {});
+  preset.from.assign(nr, 0);
+  std::vector<uint32_t> pos, apos;                     // place of each instruction (from P on) in its stream
+  std::array<std::vector<uint32_t>, kStreams> a_rest;  // the reference's instructions from P on, per stream
+  for (size_t ri = 0; ri < nr; ++ri) {
+    const RankProgram& rp = program.ranks[ri];
+    const RankProgram& ra = a.ranks[ri];
+    if (rp.rank != ra.rank) return false;
+    const auto& ins = rp.instructions;
+    const auto& ains = ra.instructions;
+    const Span* aspan = ref.timeline.spans[ri].data();
+    const double* asec = ref.seconds[ri].data();
+    const double* sec = seconds[ri].data();
+    // The common prefix [0, P): the same instructions (byte for byte), waiting for the same ones,
+    // with the same seconds, no rendezvous. Instructions wait for earlier ones only, so nothing in
+    // it waits for anything after it; its spans are the reference's unless a send / receive in it
+    // has its partner elsewhere, which the rule below excludes (every send / receive is taken).
+    size_t P = first_difference(ins, ains);
+    P = std::min(P, first_difference(seconds[ri], ref.seconds[ri]));
+    const size_t D = first_difference(rp.deps, ra.deps);
+    for (size_t j = 0; j < P; ++j)  // (deps_begin grows with j: stop at the first reading past D)
+      if (ins[j].deps_begin + ins[j].deps_count > D ||
+          (is_collective(ins[j].op) && materialized[ins[j].group] > 1)) {  // (a rendezvous: never taken)
+        P = j;
+        break;
+      }
+    tl.spans[ri].reserve(ins.size());
+    tl.spans[ri].assign(aspan, aspan + P);
+    tl.spans[ri].resize(ins.size());
+    Span* span = tl.spans[ri].data();
+    done[ri].assign(ins.size(), 0);
+    char* done_r = done[ri].data();
+    std::memset(done_r, 1, P);
+    preset.from[ri] = static_cast<uint32_t>(P);
+    // Past P, stream by stream: the reference's instruction at the same place of the same stream.
+    std::array<uint32_t, kStreams> count{}, a_count{};
+    for (int s = 0; s < kStreams; ++s) a_rest[s].clear();
+    for (size_t j = 0; j < P; ++j) ++count[static_cast<int>(ins[j].stream)];
+    a_count = count;
+    const std::array<uint32_t, kStreams> in_prefix = count;
+    for (int s = 0; s < kStreams; ++s)
+      if (count[s] > 0) {
+        // The last of the prefix on stream s: spans on a stream end in order.
+        size_t j = P;
+        while (j-- > 0)
+          if (static_cast<int>(ins[j].stream) == s) break;
+        preset.free[ri][s] = span[j].end;
+        tl.makespan = std::max(tl.makespan, span[j].end);
+      }
+    apos.resize(ains.size());
+    for (size_t i = P; i < ains.size(); ++i) {
+      const int s = static_cast<int>(ains[i].stream);
+      apos[i] = a_count[s]++;
+      a_rest[s].push_back(static_cast<uint32_t>(i));
+    }
+    pos.resize(ins.size());
+    std::array<bool, kStreams> open;
+    open.fill(true);
+    for (size_t j = P; j < ins.size(); ++j) {
+      const Instruction& in = ins[j];
+      const int s = static_cast<int>(in.stream);
+      const uint32_t k = count[s]++;
+      pos[j] = k;
+      const bool p2p = in.op == Op::Send || in.op == Op::Recv;
+      const size_t r = k - in_prefix[s];  // index into a_rest[s]
+      bool same = open[s] && r < a_rest[s].size();
+      uint32_t ai = 0;
+      if (same) {
+        ai = a_rest[s][r];
+        const Instruction& x = ains[ai];
+        same = x.op == in.op && x.group == in.group && x.peer == in.peer && x.tag == in.tag &&
+               x.deps_count == in.deps_count && sec[j] == asec[ai] &&
+               !(is_collective(in.op) && materialized[in.group] > 1);
+        for (uint32_t d = 0; same && d < in.deps_count; ++d) {
+          // The same instruction: in the prefix, the same index; past it, the same place.
+          const uint32_t bj = rp.deps[in.deps_begin + d], aj = ra.deps[x.deps_begin + d];
+          if (bj < P || aj < P) same = bj == aj;
+          else same = done_r[bj] && ins[bj].stream == ains[aj].stream && pos[bj] == apos[aj];
+        }
+      }
+      if (!same) {
+        if (p2p) return false;  // (a send / receive not taken: its partner's span may differ too)
+        open[s] = false;
+        continue;
+      }
+      done_r[j] = 1;
+      span[j] = aspan[ai];
+      preset.free[ri][s] = span[j].end;
+      tl.makespan = std::max(tl.makespan, span[j].end);
+    }
+  }
+  out = evaluate(program, seconds, std::move(tl), &preset);
+  return true;
 }
 
 Timeline estimate(const Scenario& sc, const Program& program, CollectivePrices* shared) {

@@ -2,6 +2,7 @@
 // critical path through the Program's dependencies (stream order, cross-stream waits, collective
 // rendezvous, send/recv matching). No contention: every collective runs as if alone.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
@@ -31,6 +32,25 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
 Timeline evaluate_program(const Program& program, const std::vector<std::vector<double>>& seconds);
 
 Timeline estimate(const Scenario& sc, const Program& program, CollectivePrices* shared = nullptr);
+
+// A Program with its durations and timeline, kept to evaluate another Program that shares most of
+// it (a planner's configurations that differ only at the batch end: ZeRO 0 / 1 and the optimizer
+// offload with pp > 1 emit the same pipeline).
+struct EvaluatedProgram {
+  Program program;
+  std::vector<std::vector<double>> seconds;
+  Timeline timeline;
+};
+// evaluate_program(program, seconds), taking from `ref` the span of every instruction whose span
+// it provably shares: per rank, the longest common prefix of the two instruction lists (byte for
+// byte, with the same dependencies and seconds, no collective that waits for other materialized
+// ranks), and past it, on each stream, the run of instructions that match `ref`'s at the same place
+// of the stream (op, group, peer, tag, seconds, and what they wait for) and wait only for taken
+// ones. Every send / receive must be taken (their partners then are too), else it returns false
+// and leaves `out` alone. The rest is evaluated as evaluate_program does: the same timeline, bit
+// for bit (tested).
+bool evaluate_program_reusing(const Program& program, const std::vector<std::vector<double>>& seconds,
+                              const EvaluatedProgram& ref, Timeline& out);
 
 // The whole analytic report: representative Program, estimate, memory plan, and (when it does not
 // fit, or `always_suggest`) the fit advisor's alternatives.

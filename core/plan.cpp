@@ -405,24 +405,56 @@ struct Evaluation {
   std::vector<double> busy;  // [rank index * kStreams + stream] seconds
 };
 
-Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, CollectivePrices* prices, bool busy = false) {
+}  // namespace
+
+// The Programs of one configuration, kept for the next one of its family (score_scenario).
+struct PipelineReuse {
+  struct Kept { int grad_accum; std::unique_ptr<EvaluatedProgram> e; };
+  std::vector<Kept> refs;  // the last configuration's, to evaluate against
+  std::vector<Kept> next;  // this configuration's, kept when `keep`
+  bool keep = false;
+  const EvaluatedProgram* find(int grad_accum) const {
+    for (const Kept& k : refs)
+      if (k.grad_accum == grad_accum) return k.e.get();
+    return nullptr;
+  }
+};
+
+namespace {
+
+Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, CollectivePrices* prices, StagePlanCache* stage_plans,
+                       PipelineReuse* reuse, bool busy = false) {
   Scenario s = sc;
   s.training.grad_accum = grad_accum;
   s.training.global_batch = int64_t(grad_accum) * s.training.micro_batch * s.parallel.dp;
   BuildOptions bo;
   bo.representative_only = true;
   bo.collapse_chains = collapse;
-  const Program program = build_program(s, bo);
-  const Timeline tl = estimate(s, program, prices);
+  bo.stage_plans = stage_plans;
+  Program program = build_program(s, bo);
+  std::vector<double> members;
+  std::vector<std::vector<double>> seconds = instruction_seconds(s, program, &members, prices);
+  Timeline tl;
+  const EvaluatedProgram* ref = reuse ? reuse->find(grad_accum) : nullptr;
+  if (!ref || !evaluate_program_reusing(program, seconds, *ref, tl)) tl = evaluate_program(program, seconds);
+  tl.chain_member_seconds = std::move(members);
   Evaluation r;
   r.score.iteration_seconds = tl.makespan;
   if (!program.ranks.empty()) r.score.time = attribute_time(program, tl, critical_rank_index(tl));
-  if (!busy) return r;
-  r.busy.assign(program.ranks.size() * kStreams, 0.0);
-  for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
-    const auto& ins = program.ranks[ri].instructions;
-    for (size_t i = 0; i < ins.size(); ++i)
-      r.busy[ri * kStreams + static_cast<int>(ins[i].stream)] += tl.spans[ri][i].end - tl.spans[ri][i].start;
+  if (busy) {
+    r.busy.assign(program.ranks.size() * kStreams, 0.0);
+    for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
+      const auto& ins = program.ranks[ri].instructions;
+      for (size_t i = 0; i < ins.size(); ++i)
+        r.busy[ri * kStreams + static_cast<int>(ins[i].stream)] += tl.spans[ri][i].end - tl.spans[ri][i].start;
+    }
+  }
+  if (reuse && reuse->keep) {
+    auto e = std::make_unique<EvaluatedProgram>();
+    e->program = std::move(program);
+    e->seconds = std::move(seconds);
+    e->timeline = std::move(tl);
+    reuse->next.push_back({grad_accum, std::move(e)});
   }
   return r;
 }
@@ -515,9 +547,10 @@ std::array<int, 3> extrapolation_points(const Scenario& sc) {
   return {m1, m2, m3};
 }
 
-PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, CollectivePrices* prices) {
+PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, CollectivePrices* prices, StagePlanCache* stage_plans,
+                         PipelineReuse* reuse) {
   const auto [m1, m2, m3] = exact ? std::array<int, 3>{0, 0, 0} : extrapolation_points(sc);
-  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
+  if (m1 == 0) return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans, reuse).score;
   // Steady between two evaluations: no stream of any rank is busy longer per micro-batch than the
   // makespan grows (one that is falls further behind with every micro-batch: a slower stage whose
   // line has not taken over yet).
@@ -528,14 +561,14 @@ PlanScore score_scenario(const Scenario& sc, bool exact, bool collapse, Collecti
       busiest = std::max(busiest, (y.busy[i] - x.busy[i]) / (my - mx));
     return busiest <= slope * (1 + 1e-6);
   };
-  const Evaluation ea = evaluate_at(sc, m1, collapse, prices, true), eb = evaluate_at(sc, m2, collapse, prices, true);
-  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;
-  const Evaluation ec = evaluate_at(sc, m3, collapse, prices, true);
+  const Evaluation ea = evaluate_at(sc, m1, collapse, prices, stage_plans, reuse, true), eb = evaluate_at(sc, m2, collapse, prices, stage_plans, reuse, true);
+  if (!steady(ea, eb, m1, m2)) return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans, reuse).score;
+  const Evaluation ec = evaluate_at(sc, m3, collapse, prices, stage_plans, reuse, true);
   const PlanScore &a = ea.score, &b = eb.score, &c = ec.score;
   const double s12 = (b.iteration_seconds - a.iteration_seconds) / (m2 - m1);
   const double s23 = (c.iteration_seconds - b.iteration_seconds) / (m3 - m2);
   if (std::abs(s23 - s12) > 1e-6 * std::abs(s23) || !steady(eb, ec, m2, m3))
-    return evaluate_at(sc, sc.training.grad_accum, collapse, prices).score;  // not steady yet
+    return evaluate_at(sc, sc.training.grad_accum, collapse, prices, stage_plans, reuse).score;  // not steady yet
   const double k = double(sc.training.grad_accum - m2) / double(m3 - m2);
   auto line = [&](double x, double y) { return x + k * (y - x); };
   PlanScore r;
@@ -631,9 +664,48 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
   pr.fitting = total;
   res.ranked.reserve(total);
   CollectivePrices prices;  // every point of this search runs on the same cluster
-  for (size_t i = 0; i < total; ++i) {
+  StagePlanCache stage_plans;  // and is apply_point of one base scenario
+  // Configurations that differ only in ZeRO 0 / 1 and the optimizer offload emit the same pipeline
+  // (they differ from the last micro-batch's gradient reductions on): scored one after the other,
+  // each takes what it shares of its timeline from the one before (PipelineReuse). The order of
+  // scoring does not change the ranking (sorted below, ties on the key).
+  const auto family = [](const PlanPoint& p) -> std::string {
+    if (p.zero > 1 || p.offload == Offload::optimizer_and_params) return {};
+    PlanPoint f = p;
+    f.zero = 0;
+    f.offload = Offload::none;
+    return f.key();
+  };
+  std::vector<std::string> families(total);
+  std::vector<size_t> scoring;
+  scoring.reserve(total);
+  {
+    std::map<std::string, std::vector<size_t>> members;
+    for (size_t i = 0; i < total; ++i) {
+      families[i] = family(fitting[i].point);
+      if (!families[i].empty()) members[families[i]].push_back(i);
+    }
+    for (size_t i = 0; i < total; ++i) {
+      if (families[i].empty()) {
+        scoring.push_back(i);
+        continue;
+      }
+      auto it = members.find(families[i]);
+      if (it == members.end()) continue;  // (placed with its family's first)
+      scoring.insert(scoring.end(), it->second.begin(), it->second.end());
+      members.erase(it);
+    }
+  }
+  PipelineReuse reuse;
+  for (size_t n = 0; n < total; ++n) {
+    const size_t i = scoring[n];
     const Candidate& c = fitting[i];
-    const PlanScore score = score_scenario(c.scenario, o.exact, true, &prices);
+    const bool same_family = n > 0 && !families[i].empty() && families[scoring[n - 1]] == families[i];
+    if (!same_family) reuse.refs.clear();
+    reuse.keep = n + 1 < total && !families[i].empty() && families[scoring[n + 1]] == families[i];
+    const PlanScore score = score_scenario(c.scenario, o.exact, true, &prices, &stage_plans, &reuse);
+    if (reuse.keep) reuse.refs = std::move(reuse.next);
+    reuse.next.clear();
     if (score.extrapolated) ++res.extrapolated;
     Report r;
     r.iteration_seconds = score.iteration_seconds;
@@ -660,8 +732,8 @@ PlanResult plan(const Scenario& base_in, const PlanOptions& o) {
     if (!pr.best || res.ranked.back().objective < pr.best->objective ||
         (res.ranked.back().objective == pr.best->objective && res.ranked.back().point.key() < pr.best->point.key()))
       pr.best = &res.ranked.back();  // reserved: the pointer stays valid until the sort below
-    if (o.progress && ((i + 1) % step == 0 || i + 1 == total)) {
-      pr.done = i + 1;
+    if (o.progress && ((n + 1) % step == 0 || n + 1 == total)) {
+      pr.done = n + 1;
       o.progress(pr);
     }
   }

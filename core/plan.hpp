@@ -117,8 +117,15 @@ struct PlanScore {
 // uses), the Programs are built with BuildOptions::collapse_chains: the same timeline, far fewer
 // instructions (within 1e-9 of the uncollapsed Program: the sums of the chains round differently).
 struct CollectivePrices;  // core/estimator.hpp
-// `prices`, when given, keeps collective prices across calls: only for scenarios of one cluster.
-PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true, CollectivePrices* prices = nullptr);
+class StagePlanCache;     // core/program_builder.hpp
+// `prices`, when given, keeps collective prices across calls: only for scenarios of one cluster;
+// `stage_plans` keeps the builder's stage plans: only for the points of one search (apply_point
+// of one base scenario).
+// `reuse` (plan's scoring loop): the previous configuration's Programs, when it differs from this
+// one only at the batch end, to take its pipeline's timeline from (evaluate_program_reusing).
+struct PipelineReuse;
+PlanScore score_scenario(const Scenario&, bool exact, bool collapse = true, CollectivePrices* prices = nullptr,
+                         StagePlanCache* stage_plans = nullptr, PipelineReuse* reuse = nullptr);
 // A point that core/validate certainly refuses once applied to `base` (a subset of its rules,
 // checked on the point's values): the search counts it as refused without building its scenario.
 bool refused_early(const Scenario& base, const PlanPoint&);

@@ -11,6 +11,9 @@
 //    encoding of runs that no other stream can interleave with.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 #include "core/model.hpp"
@@ -79,6 +82,9 @@ struct Instruction {
   Op op;
   Stream stream = Stream::Compute;
   Purpose purpose = Purpose::None;
+  // (The padding made a member: zero, so that equal instructions are equal byte for byte, which
+  // evaluate_program_reusing compares.)
+  uint8_t reserved = 0;
   int32_t micro_batch = -1;  // -1: not tied to a micro-batch (optimizer, final reduction)
   int32_t chunk = -1;        // model chunk (virtual pipeline stage) on this rank
   int32_t layer_begin = -1;  // global index of the first layer the instruction covers
@@ -111,6 +117,40 @@ struct Chain {
   uint32_t begin = 0, count = 0;
 };
 
+// Program::op_lists: a vector of kernel lists, shared between the Programs that a builder's
+// StagePlanCache serves (copy on write: a Program that adds a list to shared ones copies them first).
+class OpLists {
+ public:
+  using List = std::vector<LayerOp>;
+  OpLists() = default;
+  OpLists(std::initializer_list<List> lists) : p_(std::make_shared<std::vector<List>>(lists)) {}
+  OpLists& operator=(std::initializer_list<List> lists) {
+    p_ = std::make_shared<std::vector<List>>(lists);
+    return *this;
+  }
+  size_t size() const { return p_ ? p_->size() : 0; }
+  bool empty() const { return size() == 0; }
+  const List& operator[](size_t i) const { return (*p_)[i]; }
+  const List& at(size_t i) const {
+    if (!p_) throw std::out_of_range("Program::op_lists: empty");
+    return p_->at(i);
+  }
+  std::vector<List>::const_iterator begin() const { return p_ ? p_->cbegin() : std::vector<List>::const_iterator{}; }
+  std::vector<List>::const_iterator end() const { return p_ ? p_->cend() : std::vector<List>::const_iterator{}; }
+  void push_back(List list) { own().push_back(std::move(list)); }
+  // The lists themselves, to share with another Program (share).
+  std::shared_ptr<std::vector<List>> shared() const { return p_; }
+  void share(std::shared_ptr<std::vector<List>> lists) { p_ = std::move(lists); }
+
+ private:
+  std::vector<List>& own() {
+    if (!p_) p_ = std::make_shared<std::vector<List>>();
+    else if (p_.use_count() > 1) p_ = std::make_shared<std::vector<List>>(*p_);
+    return *p_;
+  }
+  std::shared_ptr<std::vector<List>> p_;
+};
+
 struct RankProgram {
   int rank = 0;
   std::vector<Instruction> instructions;
@@ -128,7 +168,7 @@ struct Program {
   std::vector<RankProgram> ranks;  // ranks[i].rank == i when the full world is built
   // Kernel lists of compute instructions (shared: every forward of a dense stage chunk points at
   // the same list), so device models can apply per-shape efficiency.
-  std::vector<std::vector<LayerOp>> op_lists;
+  OpLists op_lists;
   // True when only one representative rank per pipeline stage was materialized (BuildOptions):
   // the other ranks behave identically when nothing contends, so closed-form interpreters need
   // only these.

@@ -132,7 +132,13 @@ struct StagePlan {
   // Stage 3: all-gather calls the engine issues for each group (core/zero3_placement.hpp).
   std::vector<int> s3_dense_calls, s3_expert_calls;
   std::vector<int> s3_dense_reduces, s3_expert_reduces;  // reduce-scatter calls per group
-  const std::vector<Action>* actions = nullptr;  // into Builder::schedule()
+};
+
+// Every stage's plan and the kernel lists their segments index (Program::op_lists), as one
+// build makes them (BuildOptions::stage_plans).
+struct StagePlans {
+  std::vector<StagePlan> plans;
+  std::shared_ptr<std::vector<std::vector<LayerOp>>> op_lists;  // (shared with the Programs: OpLists)
 };
 
 struct OpListCache {
@@ -241,8 +247,9 @@ class Builder {
     prog.representative_only = opts_.representative_only;
     group_ids_.assign(7, {});
     for (int k = 0; k < 7; ++k) group_ids_[k].assign(grid_.group_count(GroupKind(k)), -1);
-    plans_.resize(p_);
-    for (int s = 0; s < p_; ++s) plan_stage(s, prog);
+    plan_stages(prog);
+    stage_actions_.resize(p_);
+    for (int s = 0; s < p_; ++s) stage_actions_[s] = &schedule()[s];
     std::vector<int> ranks;
     if (opts_.representative_only) {
       for (int s = 0; s < p_; ++s) ranks.push_back(grid_.rank_of(0, s, 0));
@@ -375,9 +382,12 @@ class Builder {
       auto e = embedding_forward_ops(m_, shape);
       ops.insert(ops.end(), e.begin(), e.end());
     }
+    // (A layer's kernels depend on whether it is an MoE layer only: made once per kind.)
+    std::vector<LayerOp> layer_ops[2];
     for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l) {
       shape.moe = is_moe_layer(m_, l);
-      auto e = layer_forward_ops(m_, shape);
+      std::vector<LayerOp>& e = layer_ops[shape.moe ? 1 : 0];
+      if (e.empty()) e = layer_forward_ops(m_, shape);
       ops.insert(ops.end(), e.begin(), e.end());
     }
     if (seg.head) {
@@ -482,8 +492,13 @@ class Builder {
     return segs;
   }
 
-  void plan_stage(int s, Program& prog) {
-    StagePlan& plan = plans_[s];
+  // Every stage's plan, or the cached ones (BuildOptions::stage_plans) with their kernel lists.
+  void plan_stages(Program& prog);
+
+  // A stage's chunks (layer ranges), tensors, ZeRO partitions and buckets: what the segments are
+  // cut from. It does not depend on the micro-batch size, recompute or sequence parallelism.
+  void plan_partition(int s) {
+    StagePlan& plan = own_plans_[s];
     plan.stage = s;
     const int last_vs = p_ * v_ - 1;
     std::vector<Tensor> tensors;
@@ -512,6 +527,10 @@ class Builder {
     ZeroPartitionSpec dspec, espec;
     std::vector<const Tensor*> dtensors, etensors;  // the specs' tensors, in spec order
     const bool frozen_any = sc_.finetune.freezes_anything();
+    for (ZeroPartitionSpec* sp : {&dspec, &espec}) {
+      sp->numel.reserve(tensors.size());
+      sp->layer.reserve(tensors.size());
+    }
     for (const Tensor& t : tensors) {
       if (!t.trainable && zero_ < 3) continue;  // replicated, never reduced or stepped
       ZeroPartitionSpec& sp = t.expert ? espec : dspec;
@@ -607,8 +626,11 @@ class Builder {
     if (plan.has_expert)
       for (size_t k = 0; k < plan.expert.stage3_groups.size(); ++k)
         plan.s3_expert[plan.expert.stage3_groups[k].layer] = int(k);
+  }
 
-    // Segments.
+  // A stage's compute segments and their kernel lists (into `prog`), after plan_partition.
+  void plan_segments(int s, Program& prog) {
+    StagePlan& plan = own_plans_[s];
     for (int c = 0; c < v_; ++c) {
       Chunk& ch = plan.chunks[c];
       std::vector<int> per_layer;
@@ -626,7 +648,6 @@ class Builder {
         ch.bwd_split = segments(prog, ch, cuts);
       }
     }
-    plan.actions = &schedule()[s];
   }
 
   // Every stage's action list: DeepSpeed's 1F1B, or Megatron's interleaved order placed by a
@@ -714,8 +735,10 @@ class Builder {
     // finish time and identity, identical on both sides), class 1 = compute.
     using Key = std::tuple<int64_t, int, int, int, int>;
     interleaved_actions_.assign(p_, {});
+    std::vector<std::pair<Key, Action>> ev;
     for (int s = 0; s < p_; ++s) {
-      std::vector<std::pair<Key, Action>> ev;
+      ev.clear();
+      ev.reserve(3 * order[s].size());
       for (const PipeStep& st : order[s]) {
         const int vs = st.chunk * p_ + s;
         const int mb = st.micro_batch;
@@ -734,6 +757,7 @@ class Builder {
         }
       }
       std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      interleaved_actions_[s].reserve(ev.size());
       for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
     }
   }
@@ -958,7 +982,8 @@ class Builder {
     x.rp = &rp;
     x.prog = &prog;
     x.c = grid_.coord(rp.rank);
-    x.plan = &plans_[x.c.pp];
+    x.plan = &(*plans_)[x.c.pp];
+    const std::vector<Action>& actions = *stage_actions_[x.c.pp];
     const StagePlan& plan = *x.plan;
     x.tp_g = t_ > 1 ? group_id(prog, GroupKind::TP, rp.rank) : -1;
     x.dp_n = sc_.parallel.dp;
@@ -984,7 +1009,7 @@ class Builder {
     // Stage 3: the compute segments in program order (for the prefetching gathers).
     std::vector<SegRef> segs;
     if (zero_ == 3) {
-      for (const Action& a : *plan.actions) {
+      for (const Action& a : actions) {
         if (a.act == Act::Fwd)
           for (int k = 0; k < int(plan.chunks[a.chunk].fwd.size()); ++k) segs.push_back({true, a.chunk, k});
         if (a.act == Act::Bwd)
@@ -994,7 +1019,7 @@ class Builder {
       x.ag.assign(segs.size(), {kNone, kNone});
     }
 
-    for (const Action& a : *plan.actions) {
+    for (const Action& a : actions) {
       const Chunk& ch = plan.chunks[a.chunk];
       const int slot = a.chunk * M_ + a.mb;
       switch (a.act) {
@@ -1626,7 +1651,10 @@ class Builder {
   double act_bytes_ = 0, p2p_act_bytes_ = 0, p2p_grad_bytes_ = 0, a2a_bytes_ = 0, moe_buffer_bytes_ = 0;
   PipelineEngineModel engine_;
   std::vector<int> vs_layers_, vs_first_layer_;
-  std::vector<StagePlan> plans_;
+  std::vector<StagePlan> own_plans_;
+  const std::vector<StagePlan>* plans_ = nullptr;         // own_plans_ or cached_->plans
+  std::shared_ptr<const StagePlans> cached_;               // (BuildOptions::stage_plans)
+  std::vector<const std::vector<Action>*> stage_actions_;  // [stage] into schedule()
   OpListCache cache_;
   std::vector<std::vector<int>> group_ids_;
   std::vector<std::vector<Action>> interleaved_actions_;  // run_interleaved_unit_schedule's result
@@ -1634,6 +1662,70 @@ class Builder {
   std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
   std::unordered_map<uint64_t, std::vector<int32_t>> chain_index_;  // collapse_chains: chains by cost hash
 };
+
+}  // namespace
+
+struct StagePlanCache::Impl {
+  std::map<std::vector<int64_t>, std::shared_ptr<const StagePlans>> done;
+  // The stages' partitions (plan_partition, no segments yet), by fewer keys.
+  std::map<std::vector<int64_t>, std::shared_ptr<const std::vector<StagePlan>>> partitions;
+};
+StagePlanCache::StagePlanCache() : impl(std::make_unique<Impl>()) {}
+StagePlanCache::~StagePlanCache() = default;
+
+namespace {
+
+void Builder::plan_stages(Program& prog) {
+  StagePlanCache* cache = opts_.stage_plans;
+  std::vector<int64_t> key;
+  if (cache) {
+    // What plan_stage reads of the scenario that a search varies (StagePlanCache): not the
+    // micro-batch count. The offload matters to ZeRO-3's gradient fold only.
+    const Scenario& sc = sc_;
+    key = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, sc.parallel.sequence_parallel ? 1 : 0, b_, zero_,
+           static_cast<int64_t>(sc.recompute), zero_ == 3 && sc.zero.offload_optimizer ? 1 : 0,
+           sc.checkpointing.partition_activations ? 1 : 0, sc.checkpointing.cpu_checkpointing ? 1 : 0,
+           sc.finetune.rank};
+    key.insert(key.end(), vs_layers_.begin(), vs_layers_.end());
+    if (auto it = cache->impl->done.find(key); it != cache->impl->done.end()) {
+      cached_ = it->second;
+      plans_ = &cached_->plans;
+      prog.op_lists.share(cached_->op_lists);
+      return;
+    }
+  }
+  // The partitions: shared by configurations that differ in the micro-batch size, recompute or
+  // sequence parallelism too (copied: the segments are added to them).
+  std::vector<int64_t> pkey;
+  if (cache) {
+    const Scenario& sc = sc_;
+    pkey = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, zero_, sc.finetune.rank};
+    pkey.insert(pkey.end(), vs_layers_.begin(), vs_layers_.end());
+  }
+  const auto found = cache ? cache->impl->partitions.find(pkey) : decltype(cache->impl->partitions)::iterator{};
+  if (cache && found != cache->impl->partitions.end()) {
+    own_plans_ = *found->second;
+  } else {
+    own_plans_.assign(p_, {});
+    for (int s = 0; s < p_; ++s) plan_partition(s);
+    if (cache) {
+      if (cache->impl->partitions.size() >= 64) cache->impl->partitions.clear();
+      cache->impl->partitions.emplace(std::move(pkey), std::make_shared<const std::vector<StagePlan>>(own_plans_));
+    }
+  }
+  for (int s = 0; s < p_; ++s) plan_segments(s, prog);
+  plans_ = &own_plans_;
+  if (!cache) return;
+  auto e = std::make_shared<StagePlans>();
+  e->plans = std::move(own_plans_);
+  e->op_lists = prog.op_lists.shared();
+  cached_ = e;
+  plans_ = &cached_->plans;
+  // A search meets its configurations' keys in runs (the fast path's Programs of one, then the
+  // offload variants): the last few are enough.
+  if (cache->impl->done.size() >= 64) cache->impl->done.clear();
+  cache->impl->done.emplace(std::move(key), std::move(e));
+}
 
 }  // namespace
 

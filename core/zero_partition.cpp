@@ -32,6 +32,7 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
   z.padded_numel = (z.numel + unit - 1) / unit * unit;
   if (z.padded_numel == 0) z.padded_numel = unit;  // DeepSpeed keeps at least one aligned slot
   z.shard_numel = z.padded_numel / spec.dp;
+  z.shards.reserve(spec.dp);
   for (int r = 0; r < spec.dp; ++r) z.shards.push_back({r * z.shard_numel, z.shard_numel});
 
   // ipg buckets in backward order.
@@ -40,6 +41,7 @@ ZeroPartition make_zero_partition(const ZeroPartitionSpec& spec) {
     b.first_tensor = first;
     b.last_tensor = last;
     b.range = {begin, end - begin};
+    b.sub_shards.reserve(z.shards.size());
     for (const Range& s : z.shards) {
       const int64_t lo = std::max(begin, s.begin), hi = std::min(end, s.end());
       b.sub_shards.push_back(hi > lo ? Range{lo, hi - lo} : Range{std::clamp(lo, s.begin, s.end()), 0});

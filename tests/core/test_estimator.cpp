@@ -200,3 +200,70 @@ TEST_CASE("the timeline does not depend on the order the estimator visits ranks 
       CHECK(differing == 0);
     }
 }
+
+TEST_CASE("evaluate_program_reusing gives evaluate_program's timeline bit for bit", "[estimator][plan]") {
+  // A Program evaluated against another's timeline (the planner's configurations that differ only
+  // at the batch end: ZeRO 0 / 1, optimizer offload) takes the spans it provably shares and
+  // evaluates the rest; the timeline must be the whole evaluation's, bit for bit. Also against
+  // references that share little or nothing (another micro-batch count, another layout), and for
+  // full Programs (rendezvous of several materialized ranks).
+  struct Case { const char* scenario; std::vector<std::string> a, b; bool shares; };
+  const std::vector<std::string> big = {"parallel.pp=16", "parallel.dp=8", "training.micro_batch=2"};
+  auto with = [&](std::vector<std::string> v, std::initializer_list<const char*> more) {
+    for (const char* m : more) v.push_back(m);
+    return v;
+  };
+  const std::vector<Case> cases = {
+      {"tiny/tiny_3d", {"zero.stage=0"}, {"zero.stage=1"}, true},
+      {"tiny/tiny_3d", {"zero.stage=1"}, {"zero.stage=1", "zero.offload_optimizer=true"}, true},
+      {"tiny/tiny_3d", {"zero.stage=1"}, {"zero.stage=1", "training.micro_batch=2"}, false},
+      {"tiny/tiny_3d", {}, {"parallel.tp=1", "parallel.dp=4"}, false},
+      {"gpt175b", with(big, {"zero.stage=0"}), with(big, {"zero.stage=1"}), true},
+      {"gpt175b", with(big, {"zero.stage=1"}), with(big, {"zero.stage=1", "zero.offload_optimizer=true"}), true},
+      {"gpt175b", with(big, {"zero.stage=0", "parallel.interleave=3"}), with(big, {"zero.stage=1", "parallel.interleave=3"}), true},
+      {"gpt175b", with(big, {"zero.stage=1", "parallel.interleave=3"}),
+       with(big, {"zero.stage=1", "parallel.interleave=3", "zero.offload_optimizer=true"}), true},
+  };
+  int compared = 0;
+  for (const Case& c : cases)
+    for (bool representative : {false, true})
+      for (bool collapse : {false, true}) {
+        LoadOptions la, lb;
+        la.overrides = c.a;
+        lb.overrides = c.b;
+        const Scenario sa = load_scenario(c.scenario, la), sb = load_scenario(c.scenario, lb);
+        if (!representative && sa.parallel.world() > 64) continue;
+        BuildOptions bo;
+        bo.representative_only = representative;
+        bo.collapse_chains = collapse;
+        EvaluatedProgram ref;
+        ref.program = build_program(sa, bo);
+        std::vector<double> members;
+        ref.seconds = instruction_seconds(sa, ref.program, &members);
+        ref.timeline = evaluate_program(ref.program, ref.seconds);
+        const Program p = build_program(sb, bo);
+        const auto secs = instruction_seconds(sb, p, &members);
+        const Timeline whole = evaluate_program(p, secs);
+        Timeline reused;
+        const bool took = evaluate_program_reusing(p, secs, ref, reused);
+        INFO(c.scenario << " " << c.b.back() << (representative ? " representative" : " full")
+                        << (collapse ? " collapsed" : ""));
+        // (A full Program's TP collectives meet several materialized ranks: nothing after the
+        // first is taken, and then neither are the sends and receives.)
+        if (c.shares && representative) CHECK(took);
+        if (!took) continue;
+        ++compared;
+        REQUIRE(reused.spans.size() == whole.spans.size());
+        CHECK(reused.makespan == whole.makespan);
+        size_t differing = 0, n = 0;
+        for (size_t r = 0; r < whole.spans.size(); ++r) {
+          REQUIRE(reused.spans[r].size() == whole.spans[r].size());
+          for (size_t i = 0; i < whole.spans[r].size(); ++i, ++n)
+            if (reused.spans[r][i].start != whole.spans[r][i].start || reused.spans[r][i].end != whole.spans[r][i].end)
+              ++differing;
+        }
+        CHECK(n > 0);
+        CHECK(differing == 0);
+      }
+  CHECK(compared >= 12);
+}

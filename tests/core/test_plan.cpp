@@ -467,3 +467,39 @@ TEST_CASE("plan: a point refused early is one validate refuses", "[plan]") {
     CHECK(early < refused);      // and not all: the others still go through validate
   }
 }
+
+TEST_CASE("plan: a search's shared work (stage plans, the pipeline of ZeRO 0 / 1 and offload variants) changes no score",
+          "[plan]") {
+  // plan() keeps the builder's stage plans across its Programs (StagePlanCache) and scores the
+  // configurations that differ only in ZeRO 0 / 1 and the optimizer offload one after the other,
+  // each taking its pipeline's timeline from the one before (evaluate_program_reusing). Every
+  // third ranked configuration of such a family, and every tenth of the others, scored alone with
+  // neither, must give the same iteration time and breakdown, bit for bit.
+  const PlanResult& r = gpt175b_plan();
+  const Scenario base = load_scenario("gpt175b");
+  size_t n = 0, families = 0;
+  for (size_t i = 0; i < r.ranked.size(); ++i) {
+    const PlanEntry& e = r.ranked[i];
+    const bool family = e.point.zero <= 1 && e.point.offload != Offload::optimizer_and_params;
+    if (i % (family ? 3 : 10) != 0) continue;
+    const PlanScore alone = score_scenario(apply_point(base, e.point), false);
+    INFO(e.point.label());
+    CHECK(alone.iteration_seconds == e.iteration_seconds);
+    const TimeBreakdown &a = alone.time, &t = e.time;
+    CHECK(a.forward == t.forward);
+    CHECK(a.backward == t.backward);
+    CHECK(a.recompute == t.recompute);
+    CHECK(a.optimizer == t.optimizer);
+    CHECK(a.exposed_tp == t.exposed_tp);
+    CHECK(a.exposed_pp == t.exposed_pp);
+    CHECK(a.exposed_dp == t.exposed_dp);
+    CHECK(a.exposed_ep == t.exposed_ep);
+    CHECK(a.exposed_offload == t.exposed_offload);
+    CHECK(a.bubble == t.bubble);
+    CHECK(a.idle == t.idle);
+    ++n;
+    families += family && e.point.pp > 1;
+  }
+  CHECK(n >= 900);
+  CHECK(families >= 800);
+}

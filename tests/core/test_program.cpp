@@ -3,6 +3,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -1224,4 +1225,72 @@ TEST_CASE("program: a collapsed Program cannot be timed or attributed without it
   CHECK(tl.chain_member_seconds.size() == p.chain_members.size());
   tl.chain_member_seconds.clear();
   CHECK_THROWS_WITH(attribute_time(p, tl, 0), Contains("members' seconds"));
+}
+
+TEST_CASE("build_program with a StagePlanCache builds the Programs it builds without one", "[program][plan]") {
+  // A planner's search shares the stage plans (and their kernel lists) between Programs of one
+  // base scenario; each Program must be the one built alone: the same instructions byte for byte
+  // (every field), dependencies, chains and kernel lists. The sequence revisits
+  // cached keys (another micro-batch count, ZeRO-1 with and without offload), misses them, and
+  // takes the stage partitions (not the segments) of another micro-batch size, recompute or SP.
+  const auto same = [](const std::vector<Instruction>& x, const std::vector<Instruction>& y) {
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const Instruction &a = x[i], &b = y[i];
+      if (std::make_tuple(a.op, a.stream, a.purpose, a.micro_batch, a.chunk, a.layer_begin, a.layer_count, a.group, a.peer,
+                          a.tag, a.bucket, a.repeat, a.ops, a.deps_begin, a.deps_count, a.chain) !=
+              std::make_tuple(b.op, b.stream, b.purpose, b.micro_batch, b.chunk, b.layer_begin, b.layer_count, b.group, b.peer,
+                              b.tag, b.bucket, b.repeat, b.ops, b.deps_begin, b.deps_count, b.chain) ||
+          std::memcmp(&a.flops, &b.flops, sizeof a.flops) || std::memcmp(&a.bytes, &b.bytes, sizeof a.bytes) ||
+          std::memcmp(&a.memory_bytes, &b.memory_bytes, sizeof a.memory_bytes) ||
+          std::memcmp(&a.gemm_flops, &b.gemm_flops, sizeof a.gemm_flops))
+        return false;
+    }
+    return true;
+  };
+  StagePlanCache cache;
+  const std::vector<std::vector<std::string>> points = {
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "zero.offload_optimizer=true"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=0"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "training.micro_batch=2"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "activation_checkpointing.mode=selective"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "parallel.sequence_parallel=true"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1", "parallel.interleave=3"},
+      {"parallel.pp=1", "parallel.dp=128", "zero.stage=3", "training.micro_batch=2"},
+      {"parallel.pp=1", "parallel.dp=128", "zero.stage=3", "training.micro_batch=2", "zero.offload_optimizer=true"},
+      {"parallel.pp=8", "parallel.dp=16", "zero.stage=1"},
+  };
+  for (int pass = 0; pass < 2; ++pass)
+    for (const auto& set : points) {
+      LoadOptions lo;
+      lo.overrides = set;
+      Scenario sc = load_scenario("gpt175b", lo);
+      if (pass == 1) {  // fewer micro-batches: the same key, another schedule
+        sc.training.grad_accum = sc.parallel.pp * 2;
+        sc.training.global_batch = int64_t(sc.training.grad_accum) * sc.training.micro_batch * sc.parallel.dp;
+      }
+      BuildOptions alone;
+      alone.representative_only = true;
+      alone.collapse_chains = true;
+      BuildOptions shared = alone;
+      shared.stage_plans = &cache;
+      const Program a = build_program(sc, alone), b = build_program(sc, shared);
+      INFO(set.back() << " pass " << pass);
+      REQUIRE(a.ranks.size() == b.ranks.size());
+      for (size_t r = 0; r < a.ranks.size(); ++r) {
+        CHECK(same(a.ranks[r].instructions, b.ranks[r].instructions));
+        CHECK(a.ranks[r].deps == b.ranks[r].deps);
+      }
+      CHECK(same(a.chain_members, b.chain_members));
+      REQUIRE(a.op_lists.size() == b.op_lists.size());
+      for (size_t k = 0; k < a.op_lists.size(); ++k) {
+        REQUIRE(a.op_lists[k].size() == b.op_lists[k].size());
+        for (size_t o = 0; o < a.op_lists[k].size(); ++o) {
+          CHECK(a.op_lists[k][o].name == b.op_lists[k][o].name);
+          CHECK(a.op_lists[k][o].flops == b.op_lists[k][o].flops);
+          CHECK(a.op_lists[k][o].memory_bytes == b.op_lists[k][o].memory_bytes);
+        }
+      }
+    }
 }
