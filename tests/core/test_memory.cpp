@@ -410,7 +410,7 @@ TEST_CASE("fused cross-entropy on 16-bit logits: the logits and their gradient, 
   CHECK(peak_memory(plain).total() - peak_memory(one).total() == Approx((12.0 - 4.0) * T * V));
   // TP splits the vocabulary: the last stage's rank holds V / t of each row.
   m.cross_entropy = ModelSpec::CrossEntropy::fused;
-  Scenario tp = scenario(m, 2, 1, 1, 1);
+  Scenario tp = scenario(m, 1, 2, 1, 1);  // dp 1, tp 2
   tp.training.micro_batch = 8;
   CHECK(peak_memory(tp).temporaries == Approx(2 * 2 * T * V / 2));
 }
