@@ -737,13 +737,15 @@ class Builder {
     // integer of the same order as the tuple's: time in the high 64 bits, then class (1 bit),
     // virtual stage and micro-batch (31 bits each), direction (1 bit).
     using Key = unsigned __int128;
-    auto pack = [](int64_t time, int cls, int vs, int mb, int dir) -> Key {
-      if (time < 0 || vs < 0 || mb < 0) throw std::logic_error("interleaved schedule: negative key");
-      return (Key(uint64_t(time)) << 64) | (uint64_t(cls) << 63) | (uint64_t(uint32_t(vs)) << 32) |
-             (uint64_t(uint32_t(mb)) << 1) | uint64_t(dir);
-    };
     interleaved_actions_.assign(p_, {});
     std::vector<std::pair<Key, Action>> ev;
+    auto pack = [&ev](int64_t time, int cls, int vs, int mb, int dir) -> Key {
+      if (time < 0 || time >= (int64_t(1) << 32) || vs < 0 || mb < 0 || ev.size() >= (size_t(1) << 32))
+        throw std::logic_error("interleaved schedule: key out of range");
+      return (Key(uint64_t(time)) << 96) | (Key(uint64_t(cls)) << 95) | (Key(uint64_t(uint32_t(vs))) << 64) |
+             (Key(uint64_t(uint32_t(mb))) << 33) | (Key(uint64_t(dir)) << 32) | Key(ev.size());
+    };
+
     for (int s = 0; s < p_; ++s) {
       ev.clear();
       ev.reserve(3 * order[s].size());
@@ -764,7 +766,7 @@ class Builder {
             ev.push_back({pack(b_end[vs * M_ + mb], 0, vs, mb, 1), {Act::SendGrad, st.chunk, mb}});
         }
       }
-      std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      std::sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
       interleaved_actions_[s].reserve(ev.size());
       for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
     }
