@@ -6,9 +6,18 @@
 
 namespace dssim {
 
-DeviceModel::DeviceModel(const Scenario& sc)
-    : DeviceModel(sc.cluster, sc.precision.dtype, sc.recompute, sc.model.flash_attention) {
-  onebit_step_ = sc.optimizer.onebit_compressed(sc.zero.stage);
+PricingInputs::PricingInputs(const Scenario& sc)
+    : cluster(sc.cluster),
+      dtype(sc.precision.dtype),
+      recompute(sc.recompute),
+      flash_attention(sc.model.flash_attention),
+      onebit_step(sc.optimizer.onebit_compressed(sc.zero.stage)) {}
+
+DeviceModel::DeviceModel(const Scenario& sc) : DeviceModel(PricingInputs(sc)) {}
+
+DeviceModel::DeviceModel(const PricingInputs& in)
+    : DeviceModel(in.cluster, in.dtype, in.recompute, in.flash_attention) {
+  onebit_step_ = in.onebit_step;
 }
 
 DeviceModel::DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute, bool flash_attention)

@@ -12,11 +12,25 @@ namespace dssim {
 
 struct DeviceProfile;  // core/device_profile.hpp
 
+// Everything DeviceModel(const Scenario&) reads of a Scenario (and the collective model reads only
+// the cluster): instruction_seconds prices from these alone, so two Scenarios whose inputs compare
+// equal price equal instructions of equal kernel lists and groups the same, bit for bit.
+struct PricingInputs {
+  ClusterSpec cluster;
+  Dtype dtype;
+  Recompute recompute;
+  bool flash_attention;
+  bool onebit_step;  // the step is 1-bit Adam's compressed-phase update
+  explicit PricingInputs(const Scenario& sc);
+  bool operator==(const PricingInputs&) const = default;
+};
+
 class DeviceModel {
  public:
   DeviceModel(const ClusterSpec& cluster, Dtype dtype, Recompute recompute = Recompute::none,
               bool flash_attention = true);
   explicit DeviceModel(const Scenario& sc);
+  explicit DeviceModel(const PricingInputs& in);
 
   double kernel_seconds(const LayerOp& op) const;
   // Backward of a GEMM LayerOp (given by its forward shape, not attention-core): the profile's

@@ -18,9 +18,30 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
   return instruction_seconds(sc, program, nullptr);
 }
 
-std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program,
-                                                     std::vector<double>* chain_member_seconds, CollectivePrices* shared) {
-  const DeviceModel device(sc);
+namespace {
+
+// The first index at which two arrays of trivially copyable values differ in their bytes (the
+// shorter one's size when one is a prefix of the other).
+template <class T>
+size_t first_difference(const std::vector<T>& x, const std::vector<T>& y) {
+  const size_t n = std::min(x.size(), y.size());
+  constexpr size_t kBlock = 64;
+  size_t i = 0;
+  while (i + kBlock <= n && std::memcmp(x.data() + i, y.data() + i, kBlock * sizeof(T)) == 0) i += kBlock;
+  while (i < n && std::memcmp(x.data() + i, y.data() + i, sizeof(T)) == 0) ++i;
+  return i;
+}
+
+// instruction_seconds from `pin` alone (nothing else of the Scenario is read). With `ref` (priced
+// from inputs equal to `pin`), an instruction in a rank's common prefix with ref's is given ref's
+// seconds when everything its price reads is provably the same: its bytes, its rank, its kernel
+// list (the very lists shared), its group's ranks. (Collapsed chains are priced as before: once
+// per distinct chain already.)
+std::vector<std::vector<double>> price_program(const PricingInputs& pin, const Program& program,
+                                               std::vector<double>* chain_member_seconds, CollectivePrices* shared,
+                                               const EvaluatedProgram* ref, const std::vector<size_t>* prefixes) {
+  const DeviceModel device(pin);
+  const ClusterSpec& cluster = pin.cluster;
   // Seconds per (kernel list, phase): forward, backward, recompute.
   std::vector<std::array<double, 3>> op_list_seconds(program.op_lists.size(), {-1.0, -1.0, -1.0});
   struct Key {
@@ -40,7 +61,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
   size_t p2p_next = 0;
 
   auto shared_collective_seconds = [&](Op op, double bytes, const std::vector<int>& ranks) {
-    if (!shared) return collective_seconds(sc.cluster, op, bytes, ranks);
+    if (!shared) return collective_seconds(cluster, op, bytes, ranks);
     uint64_t h;
     std::memcpy(&h, &bytes, sizeof h);
     h = (h * 1099511628211ull) ^ uint64_t(op);
@@ -48,7 +69,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
     std::vector<CollectivePrices::Entry>& bucket = shared->by_hash[h];
     for (const CollectivePrices::Entry& e : bucket)
       if (e.op == op && e.bytes == bytes && e.ranks == ranks) return e.seconds;
-    const double t = collective_seconds(sc.cluster, op, bytes, ranks);
+    const double t = collective_seconds(cluster, op, bytes, ranks);
     bucket.push_back({op, bytes, ranks, t});
     return t;
   };
@@ -80,7 +101,7 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
         if (c.from == from && c.to == to && c.bytes == in.bytes) { hit = &c; break; }
       if (!hit) {
         P2PSeconds& c = p2p_cache[p2p_next++ % p2p_cache.size()];
-        c = {from, to, in.bytes, p2p_seconds(sc.cluster, in.bytes, from, to)};
+        c = {from, to, in.bytes, p2p_seconds(cluster, in.bytes, from, to)};
         hit = &c;
       }
       t = hit->seconds;
@@ -95,11 +116,35 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
     throw std::logic_error("instruction_seconds: a Program with collapsed chains needs their members' seconds");
   std::vector<double> chain_seconds(program.chains.size(), -1.0);
   std::vector<std::vector<double>> out(program.ranks.size());
+
+  // What may be taken from `ref` (see above).
+  const Program* a = ref ? &ref->program : nullptr;
+  if (a && (a->ranks.size() != program.ranks.size() || ref->seconds.size() != program.ranks.size())) a = nullptr;
+  const bool same_lists = a && a->op_lists.shared() == program.op_lists.shared();
+  std::vector<int8_t> same_group;  // -1: not compared yet
+  if (a) same_group.assign(program.groups.size(), -1);
+  auto same_inputs = [&](const Instruction& in) {  // (its bytes, and its rank's, compared already)
+    if (is_compute(in.op) && in.ops >= 0 && !same_lists) return false;
+    if (is_collective(in.op)) {
+      const size_t g = static_cast<size_t>(in.group);
+      if (in.group < 0 || g >= program.groups.size() || g >= a->groups.size()) return false;
+      if (same_group[g] < 0) same_group[g] = program.groups[g].ranks == a->groups[g].ranks;
+      return same_group[g] == 1;
+    }
+    return true;
+  };
   for (size_t ri = 0; ri < program.ranks.size(); ++ri) {
     const RankProgram& rp = program.ranks[ri];
     out[ri].resize(rp.instructions.size());
+    size_t prefix = 0;
+    if (a && a->ranks[ri].rank == rp.rank && ref->seconds[ri].size() == a->ranks[ri].instructions.size())
+      prefix = (*prefixes)[ri];
     for (size_t i = 0; i < rp.instructions.size(); ++i) {
       const Instruction& in = rp.instructions[i];
+      if (i < prefix && in.chain < 0 && same_inputs(in)) {
+        out[ri][i] = ref->seconds[ri][i];
+        continue;
+      }
       if (in.chain < 0) {
         out[ri][i] = price(in, rp.rank);
         continue;
@@ -116,6 +161,30 @@ std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const P
     }
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<double>> instruction_seconds(const Scenario& sc, const Program& program,
+                                                     std::vector<double>* chain_member_seconds, CollectivePrices* shared) {
+  return price_program(PricingInputs(sc), program, chain_member_seconds, shared, nullptr, nullptr);
+}
+
+std::vector<std::vector<double>> instruction_seconds_reusing(const Scenario& sc, const Program& program,
+                                                             std::vector<double>* chain_member_seconds,
+                                                             CollectivePrices* shared, const EvaluatedProgram& ref,
+                                                             CommonPrefix* common) {
+  const PricingInputs pin(sc);
+  const bool same = ref.pricing && *ref.pricing == pin;
+  CommonPrefix local;
+  CommonPrefix& c = common ? *common : local;
+  c.program = &program;
+  c.ref = &ref;
+  c.instructions.assign(program.ranks.size(), 0);
+  if (ref.program.ranks.size() == program.ranks.size())
+    for (size_t ri = 0; ri < program.ranks.size(); ++ri)
+      c.instructions[ri] = first_difference(program.ranks[ri].instructions, ref.program.ranks[ri].instructions);
+  return price_program(pin, program, chain_member_seconds, shared, same ? &ref : nullptr, &c.instructions);
 }
 
 namespace {
@@ -415,24 +484,8 @@ Timeline evaluate_program(const Program& program, const std::vector<std::vector<
   return evaluate(program, seconds, Timeline{}, nullptr);
 }
 
-namespace {
-
-// The first index at which two arrays of trivially copyable values differ in their bytes (the
-// shorter one's size when one is a prefix of the other).
-template <class T>
-size_t first_difference(const std::vector<T>& x, const std::vector<T>& y) {
-  const size_t n = std::min(x.size(), y.size());
-  constexpr size_t kBlock = 64;
-  size_t i = 0;
-  while (i + kBlock <= n && std::memcmp(x.data() + i, y.data() + i, kBlock * sizeof(T)) == 0) i += kBlock;
-  while (i < n && std::memcmp(x.data() + i, y.data() + i, sizeof(T)) == 0) ++i;
-  return i;
-}
-
-}  // namespace
-
 bool evaluate_program_reusing(const Program& program, const std::vector<std::vector<double>>& seconds,
-                              const EvaluatedProgram& ref, Timeline& out) {
+                              const EvaluatedProgram& ref, Timeline& out, const CommonPrefix* common) {
   const Program& a = ref.program;
   const size_t nr = program.ranks.size();
   if (a.ranks.size() != nr || a.world != program.world || a.groups.size() != program.groups.size() ||
@@ -440,6 +493,7 @@ bool evaluate_program_reusing(const Program& program, const std::vector<std::vec
     return false;
   for (size_t g = 0; g < a.groups.size(); ++g)
     if (a.groups[g].kind != program.groups[g].kind || a.groups[g].ranks != program.groups[g].ranks) return false;
+  if (common && (common->program != &program || common->ref != &ref || common->instructions.size() != nr)) common = nullptr;
   std::vector<int> index_of_rank, materialized;
   materialized_members(program, index_of_rank, materialized);
   auto& done = t_done;
@@ -465,7 +519,7 @@ bool evaluate_program_reusing(const Program& program, const std::vector<std::vec
     // with the same seconds, no rendezvous. Instructions wait for earlier ones only, so nothing in
     // it waits for anything after it; its spans are the reference's unless a send / receive in it
     // has its partner elsewhere, which the rule below excludes (every send / receive is taken).
-    size_t P = first_difference(ins, ains);
+    size_t P = common ? common->instructions[ri] : first_difference(ins, ains);
     P = std::min(P, first_difference(seconds[ri], ref.seconds[ri]));
     const size_t D = first_difference(rp.deps, ra.deps);
     for (size_t j = 0; j < P; ++j)  // (deps_begin grows with j: stop at the first reading past D)

@@ -4,8 +4,10 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
+#include "core/device_model.hpp"
 #include "core/program.hpp"
 #include "core/scenario.hpp"
 #include "core/timeline.hpp"
@@ -39,8 +41,27 @@ Timeline estimate(const Scenario& sc, const Program& program, CollectivePrices* 
 struct EvaluatedProgram {
   Program program;
   std::vector<std::vector<double>> seconds;
-  Timeline timeline;
+  Timeline timeline;  // (its chain_member_seconds: the collapsed chains' members')
+  // What `seconds` were priced from (PricingInputs(scenario)); null: not known, nothing taken from them.
+  std::shared_ptr<const PricingInputs> pricing;
 };
+// Per rank, the length of the common prefix (byte for byte) of a Program's instruction array and
+// its reference's: computed once by instruction_seconds_reusing, read by evaluate_program_reusing
+// (for the same Program and reference only; otherwise it compares them itself).
+struct CommonPrefix {
+  const Program* program = nullptr;
+  const EvaluatedProgram* ref = nullptr;
+  std::vector<size_t> instructions;
+};
+// instruction_seconds(sc, program, chain_member_seconds, shared), taking from `ref` the seconds of
+// an instruction in a rank's common prefix (byte for byte) with ref's when ref was priced from
+// inputs equal to sc's (ref.pricing) and what its price reads is the same: its rank, the kernel
+// lists (the same shared ones), its group's ranks (collapsed chains are priced afresh). The same
+// seconds, bit for bit, as instruction_seconds (tested).
+std::vector<std::vector<double>> instruction_seconds_reusing(const Scenario& sc, const Program& program,
+                                                             std::vector<double>* chain_member_seconds,
+                                                             CollectivePrices* shared, const EvaluatedProgram& ref,
+                                                             CommonPrefix* common = nullptr);
 // evaluate_program(program, seconds), taking from `ref` the span of every instruction whose span
 // it provably shares: per rank, the longest common prefix of the two instruction lists (byte for
 // byte, with the same dependencies and seconds, no collective that waits for other materialized
@@ -50,7 +71,7 @@ struct EvaluatedProgram {
 // and leaves `out` alone. The rest is evaluated as evaluate_program does: the same timeline, bit
 // for bit (tested).
 bool evaluate_program_reusing(const Program& program, const std::vector<std::vector<double>>& seconds,
-                              const EvaluatedProgram& ref, Timeline& out);
+                              const EvaluatedProgram& ref, Timeline& out, const CommonPrefix* common = nullptr);
 
 // The whole analytic report: representative Program, estimate, memory plan, and (when it does not
 // fit, or `always_suggest`) the fit advisor's alternatives.

@@ -433,10 +433,12 @@ Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, Collec
   bo.stage_plans = stage_plans;
   Program program = build_program(s, bo);
   std::vector<double> members;
-  std::vector<std::vector<double>> seconds = instruction_seconds(s, program, &members, prices);
-  Timeline tl;
   const EvaluatedProgram* ref = reuse ? reuse->find(grad_accum) : nullptr;
-  if (!ref || !evaluate_program_reusing(program, seconds, *ref, tl)) tl = evaluate_program(program, seconds);
+  CommonPrefix common;
+  std::vector<std::vector<double>> seconds = ref ? instruction_seconds_reusing(s, program, &members, prices, *ref, &common)
+                                                 : instruction_seconds(s, program, &members, prices);
+  Timeline tl;
+  if (!ref || !evaluate_program_reusing(program, seconds, *ref, tl, &common)) tl = evaluate_program(program, seconds);
   tl.chain_member_seconds = std::move(members);
   Evaluation r;
   r.score.iteration_seconds = tl.makespan;
@@ -454,6 +456,7 @@ Evaluation evaluate_at(const Scenario& sc, int grad_accum, bool collapse, Collec
     e->program = std::move(program);
     e->seconds = std::move(seconds);
     e->timeline = std::move(tl);
+    e->pricing = std::make_shared<const PricingInputs>(s);
     reuse->next.push_back({grad_accum, std::move(e)});
   }
   return r;

@@ -732,10 +732,20 @@ class Builder {
       if (!progress) throw std::logic_error("interleaved schedule: dependency cycle");
     }
     // Events per stage: (time, class, key...) -> action. Class 0 = p2p (keyed by the sender's
-    // finish time and identity, identical on both sides), class 1 = compute.
-    using Key = std::tuple<int64_t, int, int, int, int>;
+    // finish time and identity, identical on both sides), class 1 = compute. The key (time, class,
+    // virtual stage, micro-batch, direction), all of them non-negative (checked), packed into one
+    // integer of the same order as the tuple's: time in the high 64 bits, then class (1 bit),
+    // virtual stage and micro-batch (31 bits each), direction (1 bit).
+    using Key = unsigned __int128;
     interleaved_actions_.assign(p_, {});
     std::vector<std::pair<Key, Action>> ev;
+    auto pack = [&ev](int64_t time, int cls, int vs, int mb, int dir) -> Key {
+      if (time < 0 || time >= (int64_t(1) << 32) || vs < 0 || mb < 0 || ev.size() >= (size_t(1) << 32))
+        throw std::logic_error("interleaved schedule: key out of range");
+      return (Key(uint64_t(time)) << 96) | (Key(uint64_t(cls)) << 95) | (Key(uint64_t(uint32_t(vs))) << 64) |
+             (Key(uint64_t(uint32_t(mb))) << 33) | (Key(uint64_t(dir)) << 32) | Key(ev.size());
+    };
+
     for (int s = 0; s < p_; ++s) {
       ev.clear();
       ev.reserve(3 * order[s].size());
@@ -743,20 +753,20 @@ class Builder {
         const int vs = st.chunk * p_ + s;
         const int mb = st.micro_batch;
         if (st.forward) {
-          ev.push_back({{f_start[vs * M_ + mb], 1, 0, 0, 0}, {Act::Fwd, st.chunk, mb}});
+          ev.push_back({pack(f_start[vs * M_ + mb], 1, 0, 0, 0), {Act::Fwd, st.chunk, mb}});
           if (p_ > 1 && vs > 0)
-            ev.push_back({{f_end[(vs - 1) * M_ + mb], 0, vs - 1, mb, 0}, {Act::RecvAct, st.chunk, mb}});
+            ev.push_back({pack(f_end[(vs - 1) * M_ + mb], 0, vs - 1, mb, 0), {Act::RecvAct, st.chunk, mb}});
           if (p_ > 1 && vs < V - 1)
-            ev.push_back({{f_end[vs * M_ + mb], 0, vs, mb, 0}, {Act::SendAct, st.chunk, mb}});
+            ev.push_back({pack(f_end[vs * M_ + mb], 0, vs, mb, 0), {Act::SendAct, st.chunk, mb}});
         } else {
-          ev.push_back({{b_start[vs * M_ + mb], 1, 0, 0, 0}, {Act::Bwd, st.chunk, mb}});
+          ev.push_back({pack(b_start[vs * M_ + mb], 1, 0, 0, 0), {Act::Bwd, st.chunk, mb}});
           if (p_ > 1 && vs < V - 1)
-            ev.push_back({{b_end[(vs + 1) * M_ + mb], 0, vs + 1, mb, 1}, {Act::RecvGrad, st.chunk, mb}});
+            ev.push_back({pack(b_end[(vs + 1) * M_ + mb], 0, vs + 1, mb, 1), {Act::RecvGrad, st.chunk, mb}});
           if (p_ > 1 && vs > 0)
-            ev.push_back({{b_end[vs * M_ + mb], 0, vs, mb, 1}, {Act::SendGrad, st.chunk, mb}});
+            ev.push_back({pack(b_end[vs * M_ + mb], 0, vs, mb, 1), {Act::SendGrad, st.chunk, mb}});
         }
       }
-      std::stable_sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      std::sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
       interleaved_actions_[s].reserve(ev.size());
       for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
     }

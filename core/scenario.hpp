@@ -261,6 +261,7 @@ struct GpuSpec {
   // sustained SM clock of compute-bound kernels (DeviceModel::power_limit_clock_factor).
   double tdp = 0;                    // watts; 0 = not stated
   double power_limit = 0;            // watts; 0 = no limit
+  bool operator==(const GpuSpec&) const = default;
 };
 
 struct ClusterSpec {
@@ -288,6 +289,7 @@ struct ClusterSpec {
   // model uses in place of the GPU preset's curves; empty = presets only.
   std::string device_profile;
   int world() const { return nodes * gpus_per_node; }
+  bool operator==(const ClusterSpec&) const = default;
 };
 
 // A what-if of the simulator backend (core/what_if.hpp parses the spec, backends/sim applies it;

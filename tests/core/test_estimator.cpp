@@ -241,11 +241,57 @@ TEST_CASE("evaluate_program_reusing gives evaluate_program's timeline bit for bi
         std::vector<double> members;
         ref.seconds = instruction_seconds(sa, ref.program, &members);
         ref.timeline = evaluate_program(ref.program, ref.seconds);
+        ref.timeline.chain_member_seconds = members;
         const Program p = build_program(sb, bo);
-        const auto secs = instruction_seconds(sb, p, &members);
+        std::vector<double> b_members;
+        const auto secs = instruction_seconds(sb, p, &b_members);
         const Timeline whole = evaluate_program(p, secs);
-        Timeline reused;
+        // Priced against the reference: the same seconds bit for bit, and the common prefix.
+        ref.pricing = std::make_shared<const PricingInputs>(sa);
+        CommonPrefix common;
+        std::vector<double> r_members;
+        CHECK(instruction_seconds_reusing(sb, p, &r_members, nullptr, ref, &common) == secs);
+        CHECK(r_members == b_members);
+        {
+          // Poisoned reference seconds: taken only where the pricing inputs are the same (then
+          // some are, where the Programs share a prefix), never otherwise.
+          EvaluatedProgram poisoned;
+          poisoned.program = ref.program;
+          poisoned.seconds = ref.seconds;
+          for (auto& r : poisoned.seconds) std::fill(r.begin(), r.end(), -7.0);
+          poisoned.timeline.chain_member_seconds = members;
+          std::vector<double> m;
+          size_t took_poison = 0;
+          for (const auto& r : instruction_seconds_reusing(sb, p, &m, nullptr, poisoned))
+            took_poison += size_t(std::count(r.begin(), r.end(), -7.0));
+          CHECK(took_poison == 0);  // (no pricing inputs: nothing taken)
+          poisoned.pricing = ref.pricing;
+          took_poison = 0;
+          for (const auto& r : instruction_seconds_reusing(sb, p, &m, nullptr, poisoned))
+            took_poison += size_t(std::count(r.begin(), r.end(), -7.0));
+          if (c.shares) CHECK(took_poison > 0);
+          Scenario other = sa;
+          other.cluster.nic_bandwidth *= 2;  // other pricing inputs: nothing taken
+          poisoned.pricing = std::make_shared<const PricingInputs>(other);
+          took_poison = 0;
+          for (const auto& r : instruction_seconds_reusing(sb, p, &m, nullptr, poisoned))
+            took_poison += size_t(std::count(r.begin(), r.end(), -7.0));
+          CHECK(took_poison == 0);
+        }
+        Timeline reused, reused_common;
         const bool took = evaluate_program_reusing(p, secs, ref, reused);
+        CHECK(evaluate_program_reusing(p, secs, ref, reused_common, &common) == took);
+        if (took) {
+          CHECK(reused_common.makespan == reused.makespan);
+          bool same = reused_common.spans.size() == reused.spans.size();
+          for (size_t r = 0; same && r < reused.spans.size(); ++r) {
+            same = reused_common.spans[r].size() == reused.spans[r].size();
+            for (size_t i = 0; same && i < reused.spans[r].size(); ++i)
+              same = reused_common.spans[r][i].start == reused.spans[r][i].start &&
+                     reused_common.spans[r][i].end == reused.spans[r][i].end;
+          }
+          CHECK(same);
+        }
         INFO(c.scenario << " " << c.b.back() << (representative ? " representative" : " full")
                         << (collapse ? " collapsed" : ""));
         // (A full Program's TP collectives meet several materialized ranks: nothing after the
