@@ -1687,16 +1687,19 @@ namespace {
 
 void Builder::plan_stages(Program& prog) {
   StagePlanCache* cache = opts_.stage_plans;
-  std::vector<int64_t> key;
+  // Keys: what plan_partition reads of the scenario that a search varies (pkey: the partitions,
+  // shared by configurations that differ in the micro-batch size, recompute or sequence
+  // parallelism too), and what plan_segments reads on top of it (key). Not the micro-batch count.
+  // The offload matters to ZeRO-3's gradient fold only.
+  std::vector<int64_t> pkey, key;
   if (cache) {
-    // What plan_stage reads of the scenario that a search varies (StagePlanCache): not the
-    // micro-batch count. The offload matters to ZeRO-3's gradient fold only.
     const Scenario& sc = sc_;
-    key = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, sc.parallel.sequence_parallel ? 1 : 0, b_, zero_,
-           static_cast<int64_t>(sc.recompute), zero_ == 3 && sc.zero.offload_optimizer ? 1 : 0,
-           sc.checkpointing.partition_activations ? 1 : 0, sc.checkpointing.cpu_checkpointing ? 1 : 0,
-           sc.finetune.rank};
-    key.insert(key.end(), vs_layers_.begin(), vs_layers_.end());
+    pkey = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, zero_, sc.finetune.rank};
+    pkey.insert(pkey.end(), vs_layers_.begin(), vs_layers_.end());
+    key = pkey;
+    key.insert(key.end(), {sc.parallel.sequence_parallel ? 1 : 0, b_, static_cast<int64_t>(sc.recompute),
+                           zero_ == 3 && sc.zero.offload_optimizer ? 1 : 0, sc.checkpointing.partition_activations ? 1 : 0,
+                           sc.checkpointing.cpu_checkpointing ? 1 : 0});
     if (auto it = cache->impl->done.find(key); it != cache->impl->done.end()) {
       cached_ = it->second;
       plans_ = &cached_->plans;
@@ -1704,14 +1707,7 @@ void Builder::plan_stages(Program& prog) {
       return;
     }
   }
-  // The partitions: shared by configurations that differ in the micro-batch size, recompute or
-  // sequence parallelism too (copied: the segments are added to them).
-  std::vector<int64_t> pkey;
-  if (cache) {
-    const Scenario& sc = sc_;
-    pkey = {p_, v_, t_, sc.parallel.dp, sc.parallel.ep, zero_, sc.finetune.rank};
-    pkey.insert(pkey.end(), vs_layers_.begin(), vs_layers_.end());
-  }
+  // The partitions (copied: the segments are added to them).
   const auto found = cache ? cache->impl->partitions.find(pkey) : decltype(cache->impl->partitions)::iterator{};
   if (cache && found != cache->impl->partitions.end()) {
     own_plans_ = *found->second;
