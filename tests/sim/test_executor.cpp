@@ -104,3 +104,20 @@ TEST_CASE("executor: ranks of the same shape share state, a different dependency
   CHECK(r.spans[1][2].end == 4e-3 + 1e-4);
   CHECK(r.makespan == 4e-3 + 1e-4);
 }
+
+#include "simulator/timer_queue.hpp"
+TEST_CASE("the controller's timer queue: earliest first, equal times in push order, -0 is 0", "[executor]") {
+  dssim::sim::TimerQueue q;
+  q.push(2.0, 1, 10);
+  q.push(1.0, 2, 20);
+  q.push(2.0, 3, 30);
+  q.push(-0.0, 4, 40);
+  q.push(0.0, 5, 50);
+  std::vector<int> order;
+  while (!q.empty()) order.push_back(q.pop().v);
+  CHECK(order == std::vector<int>{4, 5, 2, 1, 3});
+  q.push(3.0, 6, 60);  // a drained bucket is reused
+  CHECK(q.top_time() == 3.0);
+  CHECK(q.pop().i == 60u);
+  CHECK(q.empty());
+}
