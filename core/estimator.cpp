@@ -55,10 +55,10 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
     }
   };
   std::unordered_map<Key, double, KeyHash> collective_cache;
-  // A stage's sends and receives repeat four kinds (to and from each neighbour): the last few.
+  // A stage's sends and receives repeat four kinds (to and from each neighbour): a small table
+  // indexed by the pair (a miss, rare, replaces the entry).
   struct P2PSeconds { int from = -1, to = -1; double bytes = -1, seconds = 0; };
-  std::array<P2PSeconds, 8> p2p_cache{};
-  size_t p2p_next = 0;
+  std::array<P2PSeconds, 64> p2p_cache{};
 
   auto shared_collective_seconds = [&](Op op, double bytes, const std::vector<int>& ranks) {
     if (!shared) return collective_seconds(cluster, op, bytes, ranks);
@@ -96,15 +96,9 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
       t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
     } else if (in.op == Op::Send || in.op == Op::Recv) {
       const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
-      const P2PSeconds* hit = nullptr;
-      for (const P2PSeconds& c : p2p_cache)
-        if (c.from == from && c.to == to && c.bytes == in.bytes) { hit = &c; break; }
-      if (!hit) {
-        P2PSeconds& c = p2p_cache[p2p_next++ % p2p_cache.size()];
-        c = {from, to, in.bytes, p2p_seconds(cluster, in.bytes, from, to)};
-        hit = &c;
-      }
-      t = hit->seconds;
+      P2PSeconds& c = p2p_cache[(uint32_t(from) * 0x9E3779B1u + uint32_t(to) * 0x85EBCA77u) >> 26];
+      if (c.from != from || c.to != to || c.bytes != in.bytes) c = {from, to, in.bytes, p2p_seconds(cluster, in.bytes, from, to)};
+      t = c.seconds;
     } else {
       t = device.copy_seconds(in);
     }
@@ -376,6 +370,8 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
   const size_t nstreams = nr * kStreams;
   constexpr uint32_t kNoWait = ~uint32_t(0);
   std::vector<uint32_t> waits_on(nstreams, kNoWait);  // [ri * kStreams + s] the dependency it waits for
+  std::vector<uint8_t> waiting(nr, 0);                 // per rank: a bit per stream whose waits_on is set
+  static_assert(kStreams <= 8, "one byte of stream bits per rank");
   std::vector<char> queued(nstreams, 1);
   std::vector<uint32_t> queue(nstreams);
   for (size_t q = 0; q < nstreams; ++q) queue[q] = static_cast<uint32_t>(nstreams - 1 - q);  // popped from the back
@@ -386,6 +382,18 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
     queue.push_back(static_cast<uint32_t>(q));
   };
 
+  // Wakes the streams of rank `ri` that wait for its instruction i (just finished).
+  auto wake_waiters = [&](size_t ri, uint32_t i) {
+    const size_t base = ri * kStreams;
+    for (uint8_t w = waiting[ri]; w != 0; w &= uint8_t(w - 1)) {
+      const int o = __builtin_ctz(w);
+      if (waits_on[base + o] == i) {
+        waits_on[base + o] = kNoWait;
+        waiting[ri] &= uint8_t(~(1u << o));
+        wake(base + o);
+      }
+    }
+  };
   auto finish = [&](int ri, uint32_t i, int s, double start) {
     const double end = start + seconds[ri][i];
     tl.spans[ri][i] = {start, end};
@@ -394,13 +402,8 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
     ++cursor[ri][s];
     tl.makespan = std::max(tl.makespan, end);
     --remaining;
-    const size_t base = static_cast<size_t>(ri) * kStreams;
-    wake(base + s);  // finished by a partner: its own stream can go on
-    for (int o = 0; o < kStreams; ++o)
-      if (waits_on[base + o] == i) {
-        waits_on[base + o] = kNoWait;
-        wake(base + o);
-      }
+    wake(static_cast<size_t>(ri) * kStreams + s);  // finished by a partner: its own stream can go on
+    if (waiting[ri]) wake_waiters(static_cast<size_t>(ri), i);
   };
 
   while (!queue.empty()) {
@@ -411,22 +414,39 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
     const size_t ri = q / kStreams;
     const int s = static_cast<int>(q % kStreams);
     const RankProgram& rp = program.ranks[ri];
-    const char* done_r = done[ri].data();
-    const Span* span_r = tl.spans[ri].data();
+    char* done_r = done[ri].data();
+    Span* span_r = tl.spans[ri].data();
+    const double* seconds_r = seconds[ri].data();
+    const uint32_t* deps_r = rp.deps.data();
+    double& free_s = stream_free[ri][s];
+    size_t& cursor_s = cursor[ri][s];
     const std::vector<Entry>& stream = streams[ri][s];
-    while (cursor[ri][s] < stream.size()) {
-      const Entry& en = stream[cursor[ri][s]];
+    while (cursor_s < stream.size()) {
+      const Entry& en = stream[cursor_s];
       const uint32_t i = en.i;
-      double ready = stream_free[ri][s];
+      double ready = free_s;
       bool blocked = false;
       for (uint32_t d = 0; d < en.deps_count; ++d) {
-        const uint32_t dep = rp.deps[en.deps_begin + d];
-        if (!done_r[dep]) { blocked = true; waits_on[q] = dep; break; }
+        const uint32_t dep = deps_r[en.deps_begin + d];
+        if (!done_r[dep]) {
+          blocked = true;
+          waits_on[q] = dep;
+          waiting[ri] |= uint8_t(1u << s);
+          break;
+        }
         ready = std::max(ready, span_r[dep].end);
       }
       if (blocked) break;
       if (en.kind == kPlain) {  // also a collective of a group with one materialized member
-        finish(static_cast<int>(ri), i, s, ready);
+        // (finish, for the stream being run: nothing to wake on it)
+        const double end = ready + seconds_r[i];
+        span_r[i] = {ready, end};
+        done_r[i] = 1;
+        free_s = end;
+        ++cursor_s;
+        tl.makespan = std::max(tl.makespan, end);
+        --remaining;
+        if (waiting[ri]) wake_waiters(ri, i);
         continue;
       }
       if (en.kind == kRendezvous) {

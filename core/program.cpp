@@ -69,24 +69,6 @@ const char* to_string(GroupKind k) {
   return "?";
 }
 
-uint32_t RankProgram::add(const Instruction& inst, std::initializer_list<uint32_t> waits_for) {
-  instructions.push_back(inst);
-  Instruction& in = instructions.back();
-  in.deps_begin = static_cast<uint32_t>(deps.size());
-  in.deps_count = static_cast<uint32_t>(waits_for.size());
-  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
-  return static_cast<uint32_t>(instructions.size() - 1);
-}
-
-uint32_t RankProgram::add(const Instruction& inst, const std::vector<uint32_t>& waits_for) {
-  instructions.push_back(inst);
-  Instruction& in = instructions.back();
-  in.deps_begin = static_cast<uint32_t>(deps.size());
-  in.deps_count = static_cast<uint32_t>(waits_for.size());
-  deps.insert(deps.end(), waits_for.begin(), waits_for.end());
-  return static_cast<uint32_t>(instructions.size() - 1);
-}
-
 double wire_bytes_per_rank(Op op, double size_bytes, int n) {
   if (n <= 1) return 0;
   const double frac = double(n - 1) / n;

@@ -157,9 +157,22 @@ struct RankProgram {
   std::vector<uint32_t> deps;  // indices into `instructions`, sliced by Instruction::deps_*
 
   // Appends and returns the new instruction's index; `waits_for` are cross-stream dependencies.
-  // (By reference: the instruction is copied once, into `instructions`.)
-  uint32_t add(const Instruction& inst, std::initializer_list<uint32_t> waits_for = {});
-  uint32_t add(const Instruction& inst, const std::vector<uint32_t>& waits_for);
+  // (By reference: the instruction is copied once, into `instructions`. Inline: a planner's
+  // builder appends tens of millions of instructions a search.)
+  uint32_t add(const Instruction& inst, std::initializer_list<uint32_t> waits_for = {}) {
+    return add(inst, waits_for.begin(), waits_for.size());
+  }
+  uint32_t add(const Instruction& inst, const std::vector<uint32_t>& waits_for) {
+    return add(inst, waits_for.data(), waits_for.size());
+  }
+  uint32_t add(const Instruction& inst, const uint32_t* waits_for, size_t n) {
+    instructions.push_back(inst);
+    Instruction& in = instructions.back();
+    in.deps_begin = static_cast<uint32_t>(deps.size());
+    in.deps_count = static_cast<uint32_t>(n);
+    for (size_t k = 0; k < n; ++k) deps.push_back(waits_for[k]);
+    return static_cast<uint32_t>(instructions.size() - 1);
+  }
 };
 
 struct Program {

@@ -652,12 +652,16 @@ class Builder {
 
   // Every stage's action list: DeepSpeed's 1F1B, or Megatron's interleaved order placed by a
   // unit-cost run. They depend on (pp, interleave, micro-batches) only, and a planner builds many
-  // Programs with the same three (different TP, ZeRO, recompute, ...): the last few are kept,
-  // shared (not copied) by the Programs that use them.
+  // Programs with the same three (different TP, ZeRO, recompute, ...): they are kept, shared (not
+  // copied) by the Programs that use them, up to kScheduleCacheActions actions in all (a search
+  // revisits a key after others: GPT-3 175B on 1,024 GPUs meets 257 distinct keys, 1.1 M actions,
+  // and a cache of the last 64 recomputed 469 schedules).
+  static constexpr size_t kScheduleCacheActions = size_t(1) << 23;  // 8 M actions, 96 MB
   const std::vector<std::vector<Action>>& schedule() {
     if (schedule_) return *schedule_;
     static std::mutex mutex;
     static std::map<std::tuple<int, int, int>, std::shared_ptr<const std::vector<std::vector<Action>>>> cache;
+    static size_t cached_actions = 0;
     const auto key = std::make_tuple(p_, v_, M_);
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -671,9 +675,11 @@ class Builder {
       all = std::move(interleaved_actions_);
     }
     schedule_ = std::make_shared<const std::vector<std::vector<Action>>>(std::move(all));
+    size_t actions = 0;
+    for (const auto& stage : *schedule_) actions += stage.size();
     std::lock_guard<std::mutex> lock(mutex);
-    if (cache.size() >= 64) cache.clear();
-    cache.emplace(key, schedule_);
+    if (cached_actions + actions > kScheduleCacheActions) cache.clear(), cached_actions = 0;
+    if (cache.emplace(key, schedule_).second) cached_actions += actions;
     return *schedule_;
   }
 
@@ -1070,8 +1076,14 @@ class Builder {
       in.bytes = purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
       x.p2p_made[k] = 1;
     }
-    // (Not a compute instruction that starts on arrival: add appends it, at the id it returns.)
-    const uint32_t id = add(x, x.p2p_proto[k], {wait});
+    // Not a compute instruction that starts on arrival, so what add does, directly: append it;
+    // on the compute stream (DeepSpeed's engine) it is the last compute and closes the chain.
+    const Instruction& proto = x.p2p_proto[k];
+    const uint32_t id = x.rp->add(proto, &wait, wait != kNone ? 1 : 0);
+    if (proto.stream == Stream::Compute) {
+      x.last_compute = id;
+      finish_chain(x);
+    }
     Instruction& in = x.rp->instructions[id];
     in.micro_batch = a.mb;
     in.tag = tag;
