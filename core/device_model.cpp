@@ -83,7 +83,10 @@ double DeviceModel::flash_backward_seconds(const LayerOp& op) const {
 double DeviceModel::memory_bound_backward_seconds(const LayerOp& op) const {
   // The backward kernels' bytes (model.cpp's op constructors) at the measured rate of the row that
   // names them, else at the forward kernel's rate (or the roofline).
-  LayerOp bwd = op;
+  // (A scratch op per thread: assigning reuses its strings' buffers, where a copy allocated three
+  // strings per call, 450 k calls in a planner search.)
+  thread_local LayerOp bwd;
+  bwd = op;
   bwd.memory_bytes = op.backward_memory_bytes();
   bwd.flops = op.backward_only ? op.flops : 2 * op.flops;
   if (!op.backward_only) bwd.kernel = op.backward_kernel.empty() ? op.kernel : op.backward_kernel;

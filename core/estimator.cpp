@@ -48,13 +48,19 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
     int group; Op op; double bytes;
     bool operator==(const Key& o) const { return group == o.group && op == o.op && bytes == o.bytes; }
   };
-  struct KeyHash {
-    size_t operator()(const Key& k) const {
-      uint64_t b; std::memcpy(&b, &k.bytes, sizeof b);
-      return std::hash<uint64_t>()(b * 1000003u + uint64_t(k.group) * 31u + uint64_t(k.op));
-    }
+  // Collectives by (group, op, bytes): an open-addressing table (no node per entry), grown at half full.
+  struct Slot { Key key; double seconds; bool used; };
+  std::vector<Slot> collective_slots(64, Slot{{-1, Op::AllReduce, 0}, 0, false});
+  size_t collective_count = 0;
+  const auto slot_of = [](const std::vector<Slot>& slots, const Key& k) {
+    uint64_t b;
+    std::memcpy(&b, &k.bytes, sizeof b);
+    const uint64_t h = (b * 1000003u + uint64_t(uint32_t(k.group)) * 31u + uint64_t(k.op)) * 0x9E3779B97F4A7C15ull;
+    const size_t mask = slots.size() - 1;
+    size_t i = size_t(h >> 32) & mask;
+    while (slots[i].used && !(slots[i].key == k)) i = (i + 1) & mask;
+    return i;
   };
-  std::unordered_map<Key, double, KeyHash> collective_cache;
   // A stage's sends and receives repeat four kinds (to and from each neighbour): a small table
   // indexed by the pair (a miss, rare, replaces the entry).
   struct P2PSeconds { int from = -1, to = -1; double bytes = -1, seconds = 0; };
@@ -90,10 +96,19 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
       }
     } else if (is_collective(in.op)) {
       const Key key{in.group, in.op, in.bytes};
-      auto it = collective_cache.find(key);
-      if (it == collective_cache.end())
-        it = collective_cache.emplace(key, shared_collective_seconds(in.op, in.bytes, program.groups.at(in.group).ranks)).first;
-      t = it->second + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
+      size_t i = slot_of(collective_slots, key);
+      if (!collective_slots[i].used) {
+        if (2 * (collective_count + 1) > collective_slots.size()) {
+          std::vector<Slot> old(collective_slots.size() * 2, Slot{{-1, Op::AllReduce, 0}, 0, false});
+          old.swap(collective_slots);
+          for (const Slot& o : old)
+            if (o.used) collective_slots[slot_of(collective_slots, o.key)] = o;
+          i = slot_of(collective_slots, key);
+        }
+        collective_slots[i] = {key, shared_collective_seconds(in.op, in.bytes, program.groups.at(in.group).ranks), true};
+        ++collective_count;
+      }
+      t = collective_slots[i].seconds + device.collective_local_seconds(in);  // 1-bit Adam: compression, then the wire
     } else if (in.op == Op::Send || in.op == Op::Recv) {
       const int from = in.op == Op::Send ? me : in.peer, to = in.op == Op::Send ? in.peer : me;
       P2PSeconds& c = p2p_cache[(uint32_t(from) * 0x9E3779B1u + uint32_t(to) * 0x85EBCA77u) >> 26];

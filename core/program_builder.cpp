@@ -95,8 +95,8 @@ struct Chunk {
   int vs = 0;  // virtual stage: chunk * pp + stage
   int layer_begin = 0, layer_count = 0;
   bool first = false, last = false;  // holds the embedding / the head
-  std::vector<Segment> fwd;          // forward segments (stage 3: one per layer)
-  std::vector<Segment> bwd_whole;    // backward segments when no bucket needs an earlier start
+  std::vector<Segment> fwd;          // forward segments (stage 3: one per layer); also the backward's
+                                     // when no bucket needs an earlier start
   std::vector<Segment> bwd_split;    // backward segments split where gradient buckets close
 };
 
@@ -141,7 +141,82 @@ struct StagePlans {
   std::shared_ptr<std::vector<std::vector<LayerOp>>> op_lists;  // (shared with the Programs: OpLists)
 };
 
+// Chains by the hash of their members' costs (Builder::finish_chain): an open-addressing table of
+// (hash, chain) entries, several per hash when chains collide, cleared for each build but kept per
+// thread (a planner builds thousands of Programs; a map node and a vector per chain were a tenth
+// of its allocations).
+class ChainIndex {
+ public:
+  ChainIndex() : slots_(std::move(t_slots)) {
+    std::fill(slots_.begin(), slots_.end(), Slot{0, -1});
+    count_ = 0;
+  }
+  ~ChainIndex() { t_slots = std::move(slots_); }
+  ChainIndex(const ChainIndex&) = delete;
+  ChainIndex& operator=(const ChainIndex&) = delete;
+
+  // The chains inserted with hash h, in insertion order.
+  class Range {
+   public:
+    Range(const ChainIndex& t, uint64_t h) : t_(t), h_(h) {}
+    struct It {
+      const ChainIndex* t;
+      uint64_t h;
+      size_t i;
+      int32_t operator*() const { return t->slots_[i].chain; }
+      It& operator++() { i = t->next(h, i + 1); return *this; }
+      bool operator!=(const It& o) const { return i != o.i; }
+    };
+    It begin() const { return {&t_, h_, t_.next(h_, t_.home(h_))}; }
+    It end() const { return {&t_, h_, kEnd}; }
+   private:
+    const ChainIndex& t_;
+    uint64_t h_;
+  };
+  Range find(uint64_t h) const { return Range(*this, h); }
+
+  void insert(uint64_t h, int32_t chain) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    place(h, chain);
+    ++count_;
+  }
+
+ private:
+  struct Slot { uint64_t hash; int32_t chain; };  // chain -1: empty
+  static constexpr size_t kEnd = ~size_t(0);
+  static thread_local std::vector<Slot> t_slots;
+  std::vector<Slot> slots_;
+  size_t count_ = 0;
+
+  size_t home(uint64_t h) const { return slots_.empty() ? kEnd : size_t(h * 0x9E3779B97F4A7C15ull >> 20) & (slots_.size() - 1); }
+  // The first slot from i on (wrapping, up to the next empty one) that holds hash h.
+  size_t next(uint64_t h, size_t i) const {
+    if (slots_.empty() || i == kEnd) return kEnd;
+    const size_t mask = slots_.size() - 1;
+    for (i &= mask; slots_[i].chain >= 0; i = (i + 1) & mask)
+      if (slots_[i].hash == h) return i;
+    return kEnd;
+  }
+  void place(uint64_t h, int32_t chain) {
+    const size_t mask = slots_.size() - 1;
+    size_t i = home(h);
+    while (slots_[i].chain >= 0) i = (i + 1) & mask;
+    slots_[i] = {h, chain};
+  }
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(std::max<size_t>(64, 2 * old.size()), Slot{0, -1});
+    for (const Slot& s : old)
+      if (s.chain >= 0) place(s.hash, s.chain);
+  }
+};
+thread_local std::vector<ChainIndex::Slot> ChainIndex::t_slots;
+
 struct OpListCache {
+  // By what a segment's kernels depend on: the embedding, each layer's kind (dense / MoE), the
+  // head. Segments of up to 56 layers by a packed key (the layer count in bits 58-63, embedding
+  // 57, head 56, layer i's kind in bit i) in a short list; longer ones by their string.
+  std::vector<std::pair<uint64_t, int>> packed;
   std::map<std::string, int> index;
   std::vector<OpsCost> fwd, bwd, rec;
 };
@@ -364,12 +439,22 @@ class Builder {
 
   int op_list(Program& prog, const Segment& seg) {
     std::string key;
-    key += seg.embedding ? 'E' : '-';
-    for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
-      key += is_moe_layer(m_, l) ? 'M' : 'D';
-    key += seg.head ? 'H' : '-';
-    auto it = cache_.index.find(key);
-    if (it != cache_.index.end()) return it->second;
+    uint64_t packed = 0;
+    const bool short_segment = seg.layer_count >= 0 && seg.layer_count <= 56;
+    if (short_segment) {
+      packed = uint64_t(seg.layer_count) << 58 | uint64_t(seg.embedding) << 57 | uint64_t(seg.head) << 56;
+      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
+        if (is_moe_layer(m_, l)) packed |= uint64_t(1) << (l - seg.layer_begin);
+      for (const auto& [k, id] : cache_.packed)
+        if (k == packed) return id;
+    } else {
+      key += seg.embedding ? 'E' : '-';
+      for (int l = seg.layer_begin; l < seg.layer_begin + seg.layer_count; ++l)
+        key += is_moe_layer(m_, l) ? 'M' : 'D';
+      key += seg.head ? 'H' : '-';
+      auto it = cache_.index.find(key);
+      if (it != cache_.index.end()) return it->second;
+    }
     LayerShape shape;
     shape.micro_batch = b_;
     shape.tp = t_;
@@ -463,7 +548,8 @@ class Builder {
     cache_.bwd.push_back(backward_cost(ops));
     cache_.rec.push_back(recompute_cost(ops, sc_.recompute));
     prog.op_lists.push_back(std::move(ops));
-    cache_.index.emplace(key, id);
+    if (short_segment) cache_.packed.emplace_back(packed, id);
+    else cache_.index.emplace(key, id);
     return id;
   }
 
@@ -474,6 +560,7 @@ class Builder {
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     std::vector<Segment> segs;
+    segs.reserve(cuts.size() - 1);
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {
       if (cuts[i] < c.layer_begin || cuts[i + 1] > c.layer_begin + c.layer_count) continue;
       Segment s;
@@ -633,15 +720,12 @@ class Builder {
     StagePlan& plan = own_plans_[s];
     for (int c = 0; c < v_; ++c) {
       Chunk& ch = plan.chunks[c];
-      std::vector<int> per_layer;
-      for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) per_layer.push_back(l);
       if (zero_ == 3) {
-        ch.fwd = segments(prog, ch, per_layer);
-        ch.bwd_whole = ch.fwd;
-        ch.bwd_split = ch.fwd;
+        std::vector<int> per_layer;
+        for (int l = ch.layer_begin; l < ch.layer_begin + ch.layer_count; ++l) per_layer.push_back(l);
+        ch.fwd = segments(prog, ch, per_layer);  // (bwd_split stays empty: ZeRO-3 never splits)
       } else {
         ch.fwd = segments(prog, ch, {});
-        ch.bwd_whole = ch.fwd;
         std::vector<int> cuts;
         for (const BucketRef& r : plan.buckets)
           if (r.chunk == c) cuts.push_back(r.layer);
@@ -922,8 +1006,7 @@ class Builder {
     const Chain c = prog.chains[head.chain];  // the last chain: members at the end of chain_members
     uint64_t h = c.count;
     for (uint32_t k = c.begin; k < c.begin + c.count; ++k) h = h * 1000003u ^ cost_hash(prog.chain_members[k]);
-    std::vector<int32_t>& same = chain_index_[h];
-    for (int32_t other : same) {
+    for (int32_t other : chain_index_.find(h)) {
       const Chain& o = prog.chains[other];
       if (o.count != c.count) continue;
       bool equal = true;
@@ -935,7 +1018,7 @@ class Builder {
       head.chain = other;
       return;
     }
-    same.push_back(head.chain);
+    chain_index_.insert(h, head.chain);
   }
 
   // What pricing and attributing an instruction read (not its micro-batch).
@@ -1029,7 +1112,7 @@ class Builder {
         if (a.act == Act::Fwd)
           for (int k = 0; k < int(plan.chunks[a.chunk].fwd.size()); ++k) segs.push_back({true, a.chunk, k});
         if (a.act == Act::Bwd)
-          for (int k = int(plan.chunks[a.chunk].bwd_whole.size()) - 1; k >= 0; --k)
+          for (int k = int(plan.chunks[a.chunk].fwd.size()) - 1; k >= 0; --k)
             segs.push_back({false, a.chunk, k});
       }
       x.ag.assign(segs.size(), {kNone, kNone});
@@ -1135,7 +1218,7 @@ class Builder {
     const auto seg_layers = [&](size_t i) {
       const SegRef& r = segs[i];
       const Chunk& ch = plan.chunks[r.chunk];
-      const Segment& s = r.forward ? ch.fwd[r.seg] : ch.bwd_whole[r.seg];
+      const Segment& s = ch.fwd[r.seg];  // (the backward runs the forward's segments)
       return std::make_pair(s.layer_begin, s.layer_count);
     };
     const auto seg_elems = [&](size_t i) {
@@ -1378,7 +1461,7 @@ class Builder {
     // (core/pipeline_engine.hpp): every bucket is postponed to the batch end, on the compute stream.
     const bool after = engine_.reduce_after_schedule;
     const bool split = zero_ < 3 && overlap && reduce_now && !after;
-    const std::vector<Segment>& bsegs = split ? ch.bwd_split : ch.bwd_whole;
+    const std::vector<Segment>& bsegs = split ? ch.bwd_split : ch.fwd;
     const Stream red_stream = overlap && !after ? Stream::DpComm : Stream::Compute;
     for (int k = int(bsegs.size()) - 1; k >= 0; --k) {
       const Segment& s = bsegs[k];
@@ -1682,7 +1765,7 @@ class Builder {
   std::vector<std::vector<Action>> interleaved_actions_;  // run_interleaved_unit_schedule's result
   std::shared_ptr<const std::vector<std::vector<Action>>> schedule_;
   std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
-  std::unordered_map<uint64_t, std::vector<int32_t>> chain_index_;  // collapse_chains: chains by cost hash
+  ChainIndex chain_index_;  // collapse_chains: chains by cost hash
 };
 
 }  // namespace
