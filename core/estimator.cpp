@@ -557,12 +557,20 @@ bool evaluate_program_reusing(const Program& program, const std::vector<std::vec
     size_t P = common ? common->instructions[ri] : first_difference(ins, ains);
     P = std::min(P, first_difference(seconds[ri], ref.seconds[ri]));
     const size_t D = first_difference(rp.deps, ra.deps);
-    for (size_t j = 0; j < P; ++j)  // (deps_begin grows with j: stop at the first reading past D)
-      if (ins[j].deps_begin + ins[j].deps_count > D ||
-          (is_collective(ins[j].op) && materialized[ins[j].group] > 1)) {  // (a rendezvous: never taken)
+    // One pass over the prefix: where it ends, and per stream how many of it and its last.
+    std::array<uint32_t, kStreams> count{}, a_count{};
+    std::array<size_t, kStreams> last{};
+    for (size_t j = 0; j < P; ++j) {  // (deps_begin grows with j: stop at the first reading past D)
+      const Instruction& in = ins[j];
+      if (in.deps_begin + in.deps_count > D ||
+          (is_collective(in.op) && materialized[in.group] > 1)) {  // (a rendezvous: never taken)
         P = j;
         break;
       }
+      const int s = static_cast<int>(in.stream);
+      ++count[s];
+      last[s] = j;
+    }
     tl.spans[ri].reserve(ins.size());
     tl.spans[ri].assign(aspan, aspan + P);
     tl.spans[ri].resize(ins.size());
@@ -572,19 +580,13 @@ bool evaluate_program_reusing(const Program& program, const std::vector<std::vec
     std::memset(done_r, 1, P);
     preset.from[ri] = static_cast<uint32_t>(P);
     // Past P, stream by stream: the reference's instruction at the same place of the same stream.
-    std::array<uint32_t, kStreams> count{}, a_count{};
     for (int s = 0; s < kStreams; ++s) a_rest[s].clear();
-    for (size_t j = 0; j < P; ++j) ++count[static_cast<int>(ins[j].stream)];
     a_count = count;
     const std::array<uint32_t, kStreams> in_prefix = count;
     for (int s = 0; s < kStreams; ++s)
-      if (count[s] > 0) {
-        // The last of the prefix on stream s: spans on a stream end in order.
-        size_t j = P;
-        while (j-- > 0)
-          if (static_cast<int>(ins[j].stream) == s) break;
-        preset.free[ri][s] = span[j].end;
-        tl.makespan = std::max(tl.makespan, span[j].end);
+      if (count[s] > 0) {  // the last of the prefix on stream s: spans on a stream end in order
+        preset.free[ri][s] = span[last[s]].end;
+        tl.makespan = std::max(tl.makespan, span[last[s]].end);
       }
     apos.resize(ains.size());
     for (size_t i = P; i < ains.size(); ++i) {
