@@ -107,11 +107,8 @@ struct BucketRef {
   int chunk, layer;
 };
 
-enum class Act : uint8_t { RecvAct, SendAct, RecvGrad, SendGrad, Fwd, Bwd };
-struct Action {
-  Act act;
-  int chunk, mb;
-};
+using Act = PipeAct;  // (core/schedule.hpp)
+using Action = PipeAction;
 
 // Per gradient bucket / stage-3 layer group of a ZeroPartition (same indices).
 struct BucketFlags {
@@ -734,132 +731,11 @@ class Builder {
     }
   }
 
-  // Every stage's action list: DeepSpeed's 1F1B, or Megatron's interleaved order placed by a
-  // unit-cost run. They depend on (pp, interleave, micro-batches) only, and a planner builds many
-  // Programs with the same three (different TP, ZeRO, recompute, ...): they are kept, shared (not
-  // copied) by the Programs that use them, up to kScheduleCacheActions actions in all (a search
-  // revisits a key after others: GPT-3 175B on 1,024 GPUs meets 257 distinct keys, 1.1 M actions,
-  // and a cache of the last 64 recomputed 469 schedules).
-  static constexpr size_t kScheduleCacheActions = size_t(1) << 23;  // 8 M actions, 96 MB
+  // Every stage's action list (core/schedule.hpp stage_actions: shared and cached per (pp,
+  // interleave, micro-batches)).
   const std::vector<std::vector<Action>>& schedule() {
-    if (schedule_) return *schedule_;
-    static std::mutex mutex;
-    static std::map<std::tuple<int, int, int>, std::shared_ptr<const std::vector<std::vector<Action>>>> cache;
-    static size_t cached_actions = 0;
-    const auto key = std::make_tuple(p_, v_, M_);
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (auto it = cache.find(key); it != cache.end()) return *(schedule_ = it->second);
-    }
-    std::vector<std::vector<Action>> all(p_);
-    if (v_ == 1) {
-      for (int s = 0; s < p_; ++s) all[s] = deepspeed_actions(s);
-    } else {
-      run_interleaved_unit_schedule();
-      all = std::move(interleaved_actions_);
-    }
-    schedule_ = std::make_shared<const std::vector<std::vector<Action>>>(std::move(all));
-    size_t actions = 0;
-    for (const auto& stage : *schedule_) actions += stage.size();
-    std::lock_guard<std::mutex> lock(mutex);
-    if (cached_actions + actions > kScheduleCacheActions) cache.clear(), cached_actions = 0;
-    if (cache.emplace(key, schedule_).second) cached_actions += actions;
+    if (!schedule_) schedule_ = stage_actions(p_, v_, M_);
     return *schedule_;
-  }
-
-  std::vector<Action> deepspeed_actions(int s) const {
-    std::vector<Action> acts;
-    const TrainSchedule sched(M_, p_, s);
-    for (int i = 0; i < sched.total_steps(); ++i) {
-      for (const PipeInstruction& pi : sched.step(i)) {
-        switch (pi.cmd) {
-          case PipeCmd::RecvActivation: acts.push_back({Act::RecvAct, 0, pi.micro_batch}); break;
-          case PipeCmd::SendActivation: acts.push_back({Act::SendAct, 0, pi.micro_batch}); break;
-          case PipeCmd::RecvGrad: acts.push_back({Act::RecvGrad, 0, pi.micro_batch}); break;
-          case PipeCmd::SendGrad: acts.push_back({Act::SendGrad, 0, pi.micro_batch}); break;
-          case PipeCmd::ForwardPass: acts.push_back({Act::Fwd, 0, pi.micro_batch}); break;
-          case PipeCmd::BackwardPass: acts.push_back({Act::Bwd, 0, pi.micro_batch}); break;
-          default: break;  // loads are implicit; the batch end is emitted after the actions
-        }
-      }
-    }
-    return acts;
-  }
-
-  void run_interleaved_unit_schedule() {
-    const int V = p_ * v_;
-    std::vector<std::vector<PipeStep>> order(p_);
-    for (int s = 0; s < p_; ++s) order[s] = interleaved_1f1b(M_, p_, s, v_);
-    // start/end of F and B per (virtual stage, micro-batch)
-    std::vector<int64_t> f_end(V * M_, -1), b_end(V * M_, -1), f_start(V * M_, -1), b_start(V * M_, -1);
-    std::vector<size_t> next(p_, 0);
-    std::vector<int64_t> free_at(p_, 0);
-    size_t remaining = 0;
-    for (auto& o : order) remaining += o.size();
-    while (remaining > 0) {
-      bool progress = false;
-      for (int s = 0; s < p_; ++s) {
-        while (next[s] < order[s].size()) {
-          const PipeStep& st = order[s][next[s]];
-          const int vs = st.chunk * p_ + s;
-          int64_t dep = 0;
-          if (st.forward) {
-            if (vs > 0) dep = f_end[(vs - 1) * M_ + st.micro_batch];
-          } else {
-            dep = vs == V - 1 ? f_end[vs * M_ + st.micro_batch] : b_end[(vs + 1) * M_ + st.micro_batch];
-          }
-          if (dep < 0) break;
-          const int64_t start = std::max(free_at[s], dep);
-          const int64_t end = start + (st.forward ? 1 : 2);
-          (st.forward ? f_start : b_start)[vs * M_ + st.micro_batch] = start;
-          (st.forward ? f_end : b_end)[vs * M_ + st.micro_batch] = end;
-          free_at[s] = end;
-          ++next[s];
-          --remaining;
-          progress = true;
-        }
-      }
-      if (!progress) throw std::logic_error("interleaved schedule: dependency cycle");
-    }
-    // Events per stage: (time, class, key...) -> action. Class 0 = p2p (keyed by the sender's
-    // finish time and identity, identical on both sides), class 1 = compute. The key (time, class,
-    // virtual stage, micro-batch, direction), all of them non-negative (checked), packed into one
-    // integer of the same order as the tuple's: time in the high 64 bits, then class (1 bit),
-    // virtual stage and micro-batch (31 bits each), direction (1 bit).
-    using Key = unsigned __int128;
-    interleaved_actions_.assign(p_, {});
-    std::vector<std::pair<Key, Action>> ev;
-    auto pack = [&ev](int64_t time, int cls, int vs, int mb, int dir) -> Key {
-      if (time < 0 || time >= (int64_t(1) << 32) || vs < 0 || mb < 0 || ev.size() >= (size_t(1) << 32))
-        throw std::logic_error("interleaved schedule: key out of range");
-      return (Key(uint64_t(time)) << 96) | (Key(uint64_t(cls)) << 95) | (Key(uint64_t(uint32_t(vs))) << 64) |
-             (Key(uint64_t(uint32_t(mb))) << 33) | (Key(uint64_t(dir)) << 32) | Key(ev.size());
-    };
-
-    for (int s = 0; s < p_; ++s) {
-      ev.clear();
-      ev.reserve(3 * order[s].size());
-      for (const PipeStep& st : order[s]) {
-        const int vs = st.chunk * p_ + s;
-        const int mb = st.micro_batch;
-        if (st.forward) {
-          ev.push_back({pack(f_start[vs * M_ + mb], 1, 0, 0, 0), {Act::Fwd, st.chunk, mb}});
-          if (p_ > 1 && vs > 0)
-            ev.push_back({pack(f_end[(vs - 1) * M_ + mb], 0, vs - 1, mb, 0), {Act::RecvAct, st.chunk, mb}});
-          if (p_ > 1 && vs < V - 1)
-            ev.push_back({pack(f_end[vs * M_ + mb], 0, vs, mb, 0), {Act::SendAct, st.chunk, mb}});
-        } else {
-          ev.push_back({pack(b_start[vs * M_ + mb], 1, 0, 0, 0), {Act::Bwd, st.chunk, mb}});
-          if (p_ > 1 && vs < V - 1)
-            ev.push_back({pack(b_end[(vs + 1) * M_ + mb], 0, vs + 1, mb, 1), {Act::RecvGrad, st.chunk, mb}});
-          if (p_ > 1 && vs > 0)
-            ev.push_back({pack(b_end[vs * M_ + mb], 0, vs, mb, 1), {Act::SendGrad, st.chunk, mb}});
-        }
-      }
-      std::sort(ev.begin(), ev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-      interleaved_actions_[s].reserve(ev.size());
-      for (const auto& e : ev) interleaved_actions_[s].push_back(e.second);
-    }
   }
 
   // ---- emission (per rank) ----
@@ -1762,7 +1638,6 @@ class Builder {
   std::vector<const std::vector<Action>*> stage_actions_;  // [stage] into schedule()
   OpListCache cache_;
   std::vector<std::vector<int>> group_ids_;
-  std::vector<std::vector<Action>> interleaved_actions_;  // run_interleaved_unit_schedule's result
   std::shared_ptr<const std::vector<std::vector<Action>>> schedule_;
   std::vector<int8_t> single_member_;  // [group] one materialized member: 1, not: 0, not known: -1
   ChainIndex chain_index_;  // collapse_chains: chains by cost hash

@@ -11,6 +11,7 @@
 // (p - rank - 1) 2 + (v - 1) p forwards, then 1F1B pairs, then the cool-down backwards.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,5 +70,23 @@ std::vector<PipeStep> compute_order(const TrainSchedule& s);
 std::vector<PipeStep> interleaved_1f1b(int micro_batches, int stages, int stage_id, int chunks);
 // Megatron's warm-up forward count for the interleaved schedule (clamped to v M).
 int interleaved_warmup(int micro_batches, int stages, int stage_id, int chunks);
+
+// What a pipeline stage does, in order, as the Program builder emits it: its compute steps and
+// the sends and receives between them.
+enum class PipeAct : uint8_t { RecvAct, SendAct, RecvGrad, SendGrad, Fwd, Bwd };
+struct PipeAction {
+  PipeAct act;
+  int chunk, mb;
+  bool operator==(const PipeAction&) const = default;
+};
+std::string to_string(const PipeAction&);  // "RecvAct c0 m2", "Fwd c1 m0", ...
+
+// Every stage's action list for `stages` stages of `chunks` model chunks and `micro_batches`
+// micro-batches. One chunk: DeepSpeed's TrainSchedule, its loads and batch-end commands left out.
+// Several: Megatron's interleaved 1F1B order (interleaved_1f1b), each send and receive placed by a
+// unit-cost run (forward 1, backward 2) at the time its sender's step ends. Shared and kept (up to
+// 8 M actions in all, then forgotten; thread-safe): they depend on these three numbers only, and a
+// planner builds thousands of Programs from a few hundred of them.
+std::shared_ptr<const std::vector<std::vector<PipeAction>>> stage_actions(int stages, int chunks, int micro_batches);
 
 }  // namespace dssim

@@ -5,6 +5,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/schedule.hpp"
@@ -159,5 +160,54 @@ TEST_CASE("schedule: Megatron interleaved 1F1B", "[schedule]") {
         }
       }
     }
+  }
+}
+
+// stage_actions: what the Program builder emits per stage, from the two schedules above.
+TEST_CASE("schedule: stage_actions follows TrainSchedule (one chunk) and interleaved_1f1b (several), each send with one receive", "[schedule]") {
+  for (const auto& [pp, v, M] : std::vector<std::tuple<int, int, int>>{{3, 1, 4}, {4, 1, 2}, {4, 2, 8}, {2, 3, 4}, {1, 1, 3}}) {
+    CAPTURE(pp, v, M);
+    const auto all = stage_actions(pp, v, M);
+    REQUIRE(all->size() == size_t(pp));
+    std::multiset<std::tuple<int, int, int, int>> sends, recvs;  // (from stage, to stage, micro-batch, direction)
+    for (int s = 0; s < pp; ++s) {
+      const auto& acts = (*all)[s];
+      // The compute steps in order: TrainSchedule's forward / backward passes, or Megatron's order.
+      std::vector<PipeStep> compute;
+      for (const PipeAction& a : acts)
+        if (a.act == PipeAct::Fwd || a.act == PipeAct::Bwd) compute.push_back({a.act == PipeAct::Fwd, a.chunk, a.mb});
+      if (v == 1) {
+        CHECK(compute == compute_order(TrainSchedule(M, pp, s)));
+        // and every command of the schedule that moves data, in its order
+        std::vector<std::string> expected, got;
+        const TrainSchedule ts(M, pp, s);
+        for (int i = 0; i < ts.total_steps(); ++i)
+          for (const PipeInstruction& pi : ts.step(i)) {
+            const char* name = pi.cmd == PipeCmd::RecvActivation ? "RecvAct" : pi.cmd == PipeCmd::SendActivation ? "SendAct"
+                               : pi.cmd == PipeCmd::RecvGrad ? "RecvGrad" : pi.cmd == PipeCmd::SendGrad ? "SendGrad"
+                               : pi.cmd == PipeCmd::ForwardPass ? "Fwd" : pi.cmd == PipeCmd::BackwardPass ? "Bwd" : nullptr;
+            if (name) expected.push_back(std::string(name) + " c0 m" + std::to_string(pi.micro_batch));
+          }
+        for (const PipeAction& a : acts) got.push_back(to_string(a));
+        CHECK(got == expected);
+      } else {
+        CHECK(compute == interleaved_1f1b(M, pp, s, v));
+      }
+      for (const PipeAction& a : acts) {
+        const int vs = a.chunk * pp + s;
+        switch (a.act) {
+          case PipeAct::SendAct: sends.insert({vs, vs + 1, a.mb, 0}); break;
+          case PipeAct::RecvAct: recvs.insert({vs - 1, vs, a.mb, 0}); break;
+          case PipeAct::SendGrad: sends.insert({vs, vs - 1, a.mb, 1}); break;
+          case PipeAct::RecvGrad: recvs.insert({vs + 1, vs, a.mb, 1}); break;
+          default: break;
+        }
+      }
+    }
+    CHECK(sends == recvs);
+    // every virtual stage but the last sends each micro-batch's activation on, and every one but
+    // the first its gradient back
+    CHECK(sends.size() == size_t(2 * (pp * v - 1) * M));
+    CHECK(stage_actions(pp, v, M) == all);  // kept: the same shared lists
   }
 }
