@@ -434,14 +434,17 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
                                                    moe, sc.precision.dtype);
     backward_transient = std::max(backward_transient, full - kept);
   }
-  // (The engine's step reads 16-bit gradients in place: no fp32 copy of them at the step.)
-  mb.temporaries = backward_transient;
+  // The engine's step reads 16-bit gradients in place; with optimizer.fused_step false (the step
+  // before issue 15, DeepSpeed's ZeRO optimizer too) it runs on an fp32 copy of stage 2's partition.
+  const double step_transient =
+      (mixed && !z.offload_optimizer && !fp32_grad_buffer && !sc.optimizer.fused_step) ? 4 * opt_elems : 0;
+  mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
   return mb;
 }
 
 bool steps_gradient_buckets_in_place(const Scenario& sc) {
-  return sc.zero.stage <= 1 && !sc.zero.offload_optimizer && sc.optimizer.kind != OptimizerKind::onebit_adam &&
-         !sc.model.is_moe();
+  return sc.optimizer.fused_step && sc.zero.stage <= 1 && !sc.zero.offload_optimizer &&
+         sc.optimizer.kind != OptimizerKind::onebit_adam && !sc.model.is_moe();
 }
 
 MemoryBreakdown peak_memory(const Scenario& sc) {

@@ -1617,12 +1617,16 @@ class Builder {
       o.flops = shard * kAdamFlopsPerParam;
       // Stages 0-2 read the g-byte gradients in place unless an fp32 accumulator is kept (stage 3:
       // folded in backward, op_list; stages 0/1 with 1-bit Adam or MoE: folded at the step).
-      const bool in_place = zero_ == 2 || steps_gradient_buckets_in_place(sc_);
+      const bool fused = sc_.optimizer.fused_step;
+      const bool in_place = fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
       const int r = in_place ? g_ : 4;
-      const double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_)
-                                        : fused_step_bytes_per_param(g_, r) + (zero_ <= 1 && !in_place ? fold_bytes_per_param(g_) : 0.0);
-      // (1-bit Adam's compressed step rescales its fp32 gradient in place.)
-      o.memory_bytes = shard * (step_bytes + norm_and_unscale_bytes_per_param(r, onebit_));
+      double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_)
+                                  : fused_step_bytes_per_param(g_, r) + (zero_ <= 1 && !in_place ? fold_bytes_per_param(g_) : 0.0);
+      // optimizer.fused_step false, the step before issue 15: fold (stage 3: in backward), AdamW
+      // over the fp32 gradients (28), their clear (4), the copy from the master (4 + g).
+      if (!fused && !onebit_) step_bytes = (zero_ == 3 ? 0.0 : fold_bytes_per_param(g_)) + 28 + 4 + (4 + g_);
+      // (1-bit Adam's compressed step and the unfused one rescale the fp32 gradient in place.)
+      o.memory_bytes = shard * (step_bytes + norm_and_unscale_bytes_per_param(r, onebit_ || !fused));
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

@@ -186,13 +186,9 @@ class Engine {
     overlap_ = sc.zero.overlap_comm;
     if (sc.precision.communication_dtype && *sc.precision.communication_dtype != sc.precision.dtype) throw std::runtime_error("torch backend: communication_data_type (precision.communication_dtype " + std::string(to_string(*sc.precision.communication_dtype)) + ") differs from the compute dtype " + to_string(sc.precision.dtype) + ": the engine reduces gradients in the compute dtype; remove the key or set it to the compute dtype");
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
-    // DSSIM_OPTIMIZER_STEP=unfused: the step before issue 15 (an fp32 accumulator at every stage,
-    // the step pass by pass through libtorch's ops), kept as the baseline measurements compare with.
-    if (const char* e = std::getenv("DSSIM_OPTIMIZER_STEP")) {
-      if (std::string(e) == "unfused") step_path_ = StepPath::Ops;
-      else if (std::string(e) != "fused")
-        throw std::invalid_argument("DSSIM_OPTIMIZER_STEP must be fused or unfused, not " + std::string(e));
-    }
+    // optimizer.fused_step false: the step before issue 15 (an fp32 accumulator at every stage, the
+    // step pass by pass through libtorch's ops), the baseline of the measurements before it.
+    if (!sc.optimizer.fused_step) step_path_ = StepPath::Ops;
     // Stages 0/1 reduce each bucket once per step, after its last backward: the reduced 16-bit
     // bucket is the step's gradient as it stands, so the step reads it in place and no fp32
     // accumulator exists (core/memory.hpp steps_gradient_buckets_in_place says when, and the

@@ -7,7 +7,7 @@
 // written, the 16-bit copy of the parameter written, the gradient cleared:
 //   16-bit gradients   read 2 + 12, write 12 + 2 + 2   = 30 bytes  (kStepBytesPerParam16)
 //   fp32 accumulator   read 4 + 12, write 12 + 2 + 4   = 34 bytes
-// The step before it (DSSIM_OPTIMIZER_STEP=unfused, libtorch's ops) folded the 16-bit gradients
+// The step before it (optimizer.fused_step: false, libtorch's ops) folded the 16-bit gradients
 // into an fp32 buffer (12), ran AdamW over it (28), cleared it (4) and published (6): 50 bytes.
 // core/program_builder.cpp counts the same bytes for the OptimizerStep instruction, and the
 // profile's `optimizer_step` row is bytes/s over kStepBytesPerParam16.
