@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "core/grid.hpp"
+#include "core/memory.hpp"
 #include "core/model.hpp"
 #include "core/program_builder.hpp"
 #include "core/scenario_loader.hpp"
@@ -1325,4 +1326,36 @@ TEST_CASE("OptimizerStep bytes per parameter: the engine's fused step", "[progra
   moe.model.experts = 4;
   moe.model.moe_every = 2;
   CHECK(per_param(moe) == Approx(12 + 34).epsilon(1e-6));
+}
+
+// optimizer.fused_step: false prices the step before issue 15 (the fold into an fp32 buffer, AdamW
+// over it, its clear, the copy: 2g + 8 + 28 + 4 + 4 + g = 50 bytes with bf16; stage 3 folds in its
+// backward: 38), the norm reading fp32 and the rescale pass when fp16 or clipping need them (+12),
+// and the fp32 buffer at stages 0/1 (core/memory.cpp).
+TEST_CASE("optimizer.fused_step false: the step before issue 15, its bytes and its fp32 buffer", "[program][memory]") {
+  const auto per_param = [](const Scenario& sc) {
+    const Program p = build_program(sc);
+    for (const Instruction& in : p.ranks[0].instructions)
+      if (in.op == Op::OptimizerStep) return in.memory_bytes / parameter_count(sc.model);
+    return 0.0;
+  };
+  for (int stage = 0; stage <= 3; ++stage) {
+    INFO("stage " << stage);
+    Scenario sc = tiny(1, 1, 1, stage);
+    sc.optimizer.fused_step = false;
+    CHECK_FALSE(steps_gradient_buckets_in_place(sc));
+    CHECK(per_param(sc) == Approx(stage < 3 ? 50 : 38).epsilon(1e-6));
+    sc.training.gradient_clipping = 1.0;
+    CHECK(per_param(sc) == Approx(stage < 3 ? 62 : 50).epsilon(1e-6));
+    sc.training.gradient_clipping = 0;
+    Scenario fused = sc;
+    fused.optimizer.fused_step = true;
+    const MemoryBreakdown a = peak_memory(sc), b = peak_memory(fused);
+    const double psi = parameter_count(sc.model);
+    // Stages 0/1: the fp32 buffer of the (one-rank) shard; stage 2: the step's fp32 copy of the
+    // partition, a transient (counted where it exceeds the activations); stage 3: the same.
+    if (stage <= 1) CHECK(a.grads - b.grads == Approx(4 * psi).epsilon(1e-6));
+    else CHECK(a.grads == Approx(b.grads));
+    if (stage == 3) CHECK(a.total() == Approx(b.total()));
+  }
 }
