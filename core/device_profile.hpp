@@ -20,8 +20,9 @@
 //  - Backward-pass kernels (elementwise ops layer_norm_backward, gelu_backward, bias_grad,
 //    cross_entropy, cross_entropy_backward, embedding_backward): bytes/s over the byte conventions
 //    of BandwidthPoint below; no fallback to add's rows (nullopt when not measured).
-//  - The optimizer step (elementwise op optimizer_step: the engine's fold + fused AdamW + clear +
-//    publish, 50 bytes per parameter) and the host AdamW of CPU offload (host_adamw, 30 bytes per
+//  - The optimizer step (elementwise op optimizer_step: the engine's one-pass fused_adamw_step on
+//    16-bit gradients, 30 bytes per parameter; profiles calibrated before issue 15 timed the fold +
+//    AdamW + clear + publish sequence over 50) and the host AdamW of CPU offload (host_adamw, 30 bytes per
 //    parameter): bytes/s over those byte counts; no fallback to add's rows.
 //  - Outside the table: below the smallest measured size on some axis the preset curve applies
 //    (nullopt here: launch- and latency-bound territory the table does not cover); above the

@@ -300,14 +300,17 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   else if (zstage == 2)
     mb.grads = z.offload_optimizer ? 0 : gb * train_shard;
   // [DS bf16_optimizer.py] DeepSpeed's BF16_Optimizer (bf16, ZeRO 0/1) keeps a persistent fp32
-  // gradient buffer (grad_acc_dtype fp32) besides the 16-bit gradients; dssim's torch engine does
-  // so for every 16-bit dtype at stages 0, 1 and 3, for the rank's optimizer shard (the reduced
-  // gradients land there), and then the step needs no fp32 gradient copy. Stage 2 (DeepSpeed's
-  // ZeRO optimizer) makes the fp32 copy of the partition at the step instead.
+  // gradient buffer (grad_acc_dtype fp32) besides the 16-bit gradients; dssim's torch engine keeps
+  // one for the rank's optimizer shard at stage 3 (the reduced gradients land there), and at stages
+  // 0/1 only where it does not step the 16-bit buckets in place (steps_gradient_buckets_in_place:
+  // 1-bit Adam, MoE). Its step reads 16-bit gradients where they are (stage 2: the partition), so
+  // it makes no fp32 copy of them (DeepSpeed's ZeRO optimizer does, at the step).
   // BF16_Optimizer's buffer spans the whole flat group (bf16_optimizer.py: zeros_like of
   // bf16_groups_flat), so bf16 at stages 0/1 keeps 4 psi; the engine's is its shard's (the same
   // with dp = 1, the runs measured here).
-  const bool fp32_grad_buffer = mixed && zstage != 2 && !z.offload_optimizer;
+  const bool fp32_grad_buffer =
+      mixed && !z.offload_optimizer &&
+      (zstage == 3 || uses_bf16_optimizer(sc) || (zstage <= 1 && !steps_gradient_buckets_in_place(sc)));
   const bool bf16_optimizer = sc.precision.dtype == Dtype::bf16 && zstage < 2;
   if (fp32_grad_buffer) mb.grads += 4 * (bf16_optimizer ? train : opt_elems);
 
@@ -431,11 +434,17 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
                                                    moe, sc.precision.dtype);
     backward_transient = std::max(backward_transient, full - kept);
   }
-  // [DS] the step runs on an fp32 copy of the (partitioned) gradients when they are 16-bit and the
-  // optimizer is on the GPU.
-  const double step_transient = (mixed && !z.offload_optimizer && !fp32_grad_buffer) ? 4 * opt_elems : 0;
+  // The engine's step reads 16-bit gradients in place; with optimizer.fused_step false (the step
+  // before issue 15, DeepSpeed's ZeRO optimizer too) it runs on an fp32 copy of stage 2's partition.
+  const double step_transient =
+      (mixed && !z.offload_optimizer && !fp32_grad_buffer && !sc.optimizer.fused_step) ? 4 * opt_elems : 0;
   mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
   return mb;
+}
+
+bool steps_gradient_buckets_in_place(const Scenario& sc) {
+  return sc.optimizer.fused_step && sc.zero.stage <= 1 && !sc.zero.offload_optimizer &&
+         sc.optimizer.kind != OptimizerKind::onebit_adam && !sc.model.is_moe();
 }
 
 MemoryBreakdown peak_memory(const Scenario& sc) {

@@ -68,6 +68,14 @@ struct MemoryBreakdown {
   double total() const { return params + grads + optimizer + activations + comm_buffers + temporaries; }
 };
 
+// dssim's torch engine at ZeRO stages 0/1 steps from the reduced 16-bit gradient buckets in place
+// (backends/torch/optimizer_kernels.hpp fused_adamw_step) and keeps no fp32 gradient accumulator:
+// each bucket is reduced once per step, after its last backward, so such a buffer would only hold
+// the same values widened. Not with optimizer offload (the host sums), 1-bit Adam (its momentum
+// update reads the fp32 gradient before the step) or MoE (the expert store's own fp32 buffer), and
+// not with optimizer.fused_step false (the step before issue 15).
+bool steps_gradient_buckets_in_place(const Scenario& sc);
+
 // Peak per-GPU memory of the most loaded GPU of the scenario (pipeline stage 0 unless the
 // partition says otherwise), by category.
 MemoryBreakdown peak_memory(const Scenario& sc);

@@ -41,6 +41,7 @@
 #include <cstring>
 
 #include "core/grid.hpp"
+#include "core/memory.hpp"
 #include "core/pipeline_engine.hpp"
 #include "core/schedule.hpp"
 #include "core/zero_partition.hpp"
@@ -51,16 +52,19 @@ namespace dssim {
 namespace {
 
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
-// Mixed-precision Adam on one parameter: ~16 FLOPs. HBM traffic of the whole step per parameter of
-// the shard with g-byte gradients and compute copy (backends/torch/optimizer_kernels.hpp; as
-// DeepSpeed's BF16_Optimizer): fold the g-byte gradients into the fp32 buffer and zero them
-// (2g + 8), the fused AdamW pass (read fp32 param, gradient, 2 moments, write param and moments:
-// 28), clear the fp32 gradients (4), write the g-byte copy from the fp32 master (4 + g).
+// Mixed-precision Adam on one parameter: ~16 FLOPs. HBM traffic of the engine's step per parameter
+// of the shard with g-byte gradients and compute copy (backends/torch/optimizer_kernels.hpp
+// fused_adamw_step, one pass): the gradient read where it lies and cleared (r bytes each: the
+// g-byte buckets or partition that stages 0-2 step in place, r = g; an fp32 accumulator, r = 4),
+// the fp32 master and both moments read and written (24), the g-byte copy written (g).
 constexpr double kAdamFlopsPerParam = 16;
-double device_step_bytes_per_param(int g) { return (2.0 * g + 8) + 28 + 4 + (4 + g); }
+double fused_step_bytes_per_param(int g, int r) { return 24 + double(g) + 2.0 * r; }
+// Folding g-byte gradients into an fp32 accumulator and zeroing them: 2g + 8 (stage 3 in its
+// backward; stages 0/1 where the step does not read the buckets in place, at the step).
+double fold_bytes_per_param(int g) { return 2.0 * g + 8; }
 // 1-bit Adam's compressed-phase step (backends/torch/optimizer_kernels.hpp): the fold, the momentum
 // update (20), the clear, the frozen-variance update in five passes (48), the publish.
-double onebit_step_bytes_per_param(int g) { return (2.0 * g + 8) + 20 + 4 + 48 + (4 + g); }
+double onebit_step_bytes_per_param(int g) { return fold_bytes_per_param(g) + 20 + 4 + 48 + (4 + g); }
 // ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): the AdamW pass on host fp32
 // tensors (28), clearing the fp32 gradients (4) and writing the g-byte copy for the device in the
 // same pass.
@@ -256,11 +260,12 @@ std::vector<int> virtual_stage_layers(const Scenario& sc) {
 }
 
 class Builder {
-  // The step's extra passes over the fp32 gradients: the global norm (fp16's overflow check,
-  // clipping) reads them once; unscaling (fp16) or clipping rescales them in place.
-  double norm_and_unscale_bytes_per_param() const {
+  // The step's extra passes over the gradients: the global norm (fp16's overflow check, clipping)
+  // reads them once (r bytes each); unscaling (fp16) or clipping rescales the host's fp32 ones in
+  // place (the device's fused step scales as it reads).
+  double norm_and_unscale_bytes_per_param(double r, bool rescale) const {
     const bool fp16 = sc_.precision.dtype == Dtype::fp16, clip = sc_.training.gradient_clipping > 0;
-    return (fp16 || clip ? 4.0 : 0.0) + (fp16 || clip ? 8.0 : 0.0);
+    return fp16 || clip ? r + (rescale ? 8.0 : 0.0) : 0.0;
   }
 
  public:
@@ -1540,7 +1545,7 @@ class Builder {
     if (sc_.zero.offload_optimizer) {
       Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);  // fp32 gradients on the host
       h.flops = shard * kAdamFlopsPerParam;
-      h.memory_bytes = shard * (host_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param());
+      h.memory_bytes = shard * (host_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param(4, true));
       // ZeRO-Infinity: the fp32 master, momentum and variance swapped in from NVMe and back out
       // (12 bytes each way, Lion 8), and with parameters on NVMe the updated 16-bit shard written.
       const double states = sc_.optimizer.kind == OptimizerKind::lion ? 8.0 : 12.0;
@@ -1581,9 +1586,18 @@ class Builder {
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
-      const double fold = zero_ == 3 ? 2.0 * g_ + 8 : 0.0;  // done in backward (op_list)
-      const double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_) : device_step_bytes_per_param(g_);
-      o.memory_bytes = shard * (step_bytes - fold + norm_and_unscale_bytes_per_param());
+      // Stages 0-2 read the g-byte gradients in place unless an fp32 accumulator is kept (stage 3:
+      // folded in backward, op_list; stages 0/1 with 1-bit Adam or MoE: folded at the step).
+      const bool fused = sc_.optimizer.fused_step;
+      const bool in_place = fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
+      const int r = in_place ? g_ : 4;
+      double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_)
+                                  : fused_step_bytes_per_param(g_, r) + (zero_ <= 1 && !in_place ? fold_bytes_per_param(g_) : 0.0);
+      // optimizer.fused_step false, the step before issue 15: fold (stage 3: in backward), AdamW
+      // over the fp32 gradients (28), their clear (4), the copy from the master (4 + g).
+      if (!fused && !onebit_) step_bytes = (zero_ == 3 ? 0.0 : fold_bytes_per_param(g_)) + 28 + 4 + (4 + g_);
+      // (1-bit Adam's compressed step and the unfused one rescale the fp32 gradient in place.)
+      o.memory_bytes = shard * (step_bytes + norm_and_unscale_bytes_per_param(r, onebit_ || !fused));
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards

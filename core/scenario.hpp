@@ -179,6 +179,11 @@ struct OptimizerSpec {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   int64_t freeze_step = 0;           // 1-bit Adam: warm-up steps with full-precision Adam
   int64_t step = 0;                  // which training step to report (1-bit Adam compresses after freeze_step)
+  // dssim's torch engine: the step in one pass over the gradients where they lie (issue 15; no fp32
+  // gradient buffer at ZeRO 0/1, none copied at stage 2). false: the step before it, as the
+  // records measured until 2026-12-05 ran it (the gradients folded into an fp32 buffer of the
+  // shard, AdamW, the clear and the 16-bit copy pass by pass through libtorch's ops).
+  bool fused_step = true;
   // The reported step is in 1-bit Adam's compressed phase (ZeRO-0 only, as DeepSpeed's OnebitAdam).
   bool onebit_compressed(int zero_stage) const {
     return kind == OptimizerKind::onebit_adam && zero_stage == 0 && step >= freeze_step;

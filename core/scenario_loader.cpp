@@ -373,6 +373,7 @@ const std::vector<Field>& fields() {
     add("optimizer.weight_decay", [](Scenario& s, const Entry& e) { s.optimizer.weight_decay = get_non_negative(e, D::None); });
     add("optimizer.freeze_step", [](Scenario& s, const Entry& e) { s.optimizer.freeze_step = get_int(e, 0); });
     add("optimizer.step", [](Scenario& s, const Entry& e) { s.optimizer.step = get_int(e, 0); });
+    add("optimizer.fused_step", [](Scenario& s, const Entry& e) { s.optimizer.fused_step = get_bool(e); });
     // cluster
     add("cluster.preset", [](Scenario&, const Entry& e) { get_string(e); });
     add("cluster.name", [](Scenario& s, const Entry& e) { s.cluster.name = get_string(e); });
@@ -1039,6 +1040,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "betas" << YAML::Value << YAML::Flow << std::vector<double>{o.beta1, o.beta2};
   y << YAML::Key << "eps" << YAML::Value << o.eps << YAML::Key << "weight_decay" << YAML::Value << o.weight_decay;
   y << YAML::Key << "freeze_step" << YAML::Value << o.freeze_step << YAML::Key << "step" << YAML::Value << o.step;
+  if (!o.fused_step) y << YAML::Key << "fused_step" << YAML::Value << false;
   y << YAML::EndMap;
   const auto& ck = s.checkpointing;
   if (ck.partition_activations || ck.cpu_checkpointing || ck.contiguous_memory_optimization) {

@@ -672,11 +672,11 @@ void measure_moe(const CalibrateOptions& o, const Grid& g, const at::Device& dev
 }
 
 // The engine's optimizer step, per parameter of a flat shard (backends/torch/optimizer_kernels.hpp):
-// fold g32 += g16, g16 = 0; fused AdamW (adamw_step with a step tensor); g32 = 0; publish
-// p16 = p32. Rows `optimizer_step`, bytes = kStepBytesPerParam16 (50) x N. The 16-bit dtype is
-// each 16-bit calibrated dtype (bf16 when only fp32 is calibrated). Moments and gradients start
-// at zero: the timing does not depend on the values, and decaying moments cannot turn denormal
-// (slow on CPUs).
+// fused_adamw_step on 16-bit gradients, writing the 16-bit copy and clearing the gradients. Rows
+// `optimizer_step`, bytes = kStepBytesPerParam16 (30) x N. The 16-bit dtype is each 16-bit
+// calibrated dtype (bf16 when only fp32 is calibrated). Moments and gradients start at zero: the
+// timing does not depend on the values, and decaying moments cannot turn denormal (slow on CPUs).
+// The 1-bit rows time its compressed step as the engine runs it (fold into fp32 first).
 void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer, DeviceProfile& p) {
   std::vector<Dtype> half;
   for (Dtype d : o.dtypes)
@@ -694,11 +694,7 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
       at::Tensor step_tensor;
       int64_t step = 0;
       const double sec = timer.measure([&] {
-        g32.add_(g16);  // fold
-        g16.zero_();
-        adamw_step(p32, g32, m, v, ++step, h, &step_tensor);
-        g32.zero_();    // clear
-        p16.copy_(p32); // publish
+        fused_adamw_step(p32, g16, m, v, ++step, h, 1.0, 1.0, p16, /*clear_grad=*/true, &step_tensor);
       }, o.seconds_per_point);
       best = std::max(best, add_bandwidth_row(p, "optimizer_step", dtype, kStepBytesPerParam16 * double(n), sec));
       // 1-bit Adam's compressed-phase step, as the engine runs it on one rank.
@@ -726,7 +722,7 @@ void measure_optimizer_step(const CalibrateOptions& o, const Grid& g, const at::
         add_bandwidth_row(p, "onebit_decompress", Dtype::fp32, kOnebitDecompressBytesPerElement * pn, d);
       }
     }
-    say(o, "optimizer step " + std::string(to_string(dtype)) + " (fold + fused AdamW + clear + publish, " +
+    say(o, "optimizer step " + std::string(to_string(dtype)) + " (fused: 16-bit gradients in, AdamW, 16-bit copy out, " +
                fmt(kStepBytesPerParam16, "bytes/param") + "): " + std::to_string(g.optimizer.size()) + " sizes up to " +
                fmt(double(g.optimizer.back()), "params") + ", best " + fmt(best / 1e9, "GB/s") + " = " +
                fmt(best / kStepBytesPerParam16 / 1e9, "Gparam/s") + "; 1-bit Adam's step (" +

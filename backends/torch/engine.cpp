@@ -26,6 +26,7 @@
 #include "backends/torch/pipeline.hpp"
 #include "backends/torch/tensor_parallel.hpp"
 #include "core/grid.hpp"
+#include "core/memory.hpp"
 #include "core/pipeline_engine.hpp"
 #include "backends/torch/loss_scaler.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
@@ -185,6 +186,14 @@ class Engine {
     overlap_ = sc.zero.overlap_comm;
     if (sc.precision.communication_dtype && *sc.precision.communication_dtype != sc.precision.dtype) throw std::runtime_error("torch backend: communication_data_type (precision.communication_dtype " + std::string(to_string(*sc.precision.communication_dtype)) + ") differs from the compute dtype " + to_string(sc.precision.dtype) + ": the engine reduces gradients in the compute dtype; remove the key or set it to the compute dtype");
     state_device_ = offload_ ? torch::Device(torch::kCPU) : dev_;
+    // optimizer.fused_step false: the step before issue 15 (an fp32 accumulator at every stage, the
+    // step pass by pass through libtorch's ops), the baseline of the measurements before it.
+    if (!sc.optimizer.fused_step) step_path_ = StepPath::Ops;
+    // Stages 0/1 reduce each bucket once per step, after its last backward: the reduced 16-bit
+    // bucket is the step's gradient as it stands, so the step reads it in place and no fp32
+    // accumulator exists (core/memory.hpp steps_gradient_buckets_in_place says when, and the
+    // memory model prices it).
+    grads_in_place_ = steps_gradient_buckets_in_place(sc) && step_path_ == StepPath::Fused;
     part_ = make_zero_partition(partition_spec(cfg_, sc.zero, dp_, layout_.units));
     allocate();
     plan_gradient_norm();
@@ -278,6 +287,7 @@ class Engine {
         p16_[u] = partition_leaves(u, g);
       }
       grad_dirty_.assign(part_.grad_buckets.size(), false);
+      held_for_step_.assign(part_.grad_buckets.size(), false);
     } else {
       int64_t shard_total = 0, train_total = 0;
       for (const auto& g : part_.stage3_groups) {
@@ -329,7 +339,7 @@ class Engine {
     }
     exp_avg_ = at::zeros_like(master_);
     exp_avg_sq_ = at::zeros_like(master_);
-    if (!grad_acc_.defined()) grad_acc_ = at::zeros(master_.sizes(), st32);
+    if (!grad_acc_.defined() && !grads_in_place_) grad_acc_ = at::zeros(master_.sizes(), st32);
     if (offload_param_) shard16_ = shard16_.to(at::kCPU);
   }
 
@@ -651,7 +661,11 @@ class Engine {
     const int64_t b = unit_offset(u), e = b + train_numel(u);
     for (size_t k = 0; k < part_.grad_buckets.size(); ++k) {
       const Range& r = part_.grad_buckets[k].range;
-      if (r.begin < e && b < r.end()) grad_dirty_[k] = true;
+      if (!(r.begin < e && b < r.end())) continue;
+      if (held_for_step_[k])  // its reduced sum would be added to: the Program reduced it too early
+        throw std::runtime_error("Program error: a backward writes into gradient bucket " + std::to_string(k) +
+                                 " after its reduction in the same step");
+      grad_dirty_[k] = true;
     }
   }
 
@@ -707,6 +721,7 @@ class Engine {
       if (in.op == Op::AllReduce || stage_ == 0) {
         auto work = dp_comm_->allreduce(buf, in.purpose);
         defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
+                 if (grads_in_place_) return keep_for_step(k);
                  fold_full(part_.grad_buckets[k].range, buf, k);
                  recycle(buf);
                }});
@@ -715,6 +730,7 @@ class Engine {
         // moves as in a reduce-scatter of the bucket.
         auto work = reduce_to_owners(buf, in);
         defer({Deferred::Reduce, k, in.micro_batch, work, [this, buf, k]() mutable {
+                 if (grads_in_place_) return keep_for_step(k);
                  const auto& b = part_.grad_buckets[k];
                  const Range mine = b.sub_shards[dpr_];
                  if (mine.count > 0) {
@@ -814,6 +830,8 @@ class Engine {
         fold_full(part_.grad_buckets[k].range, buf, k);
         free_bucket(buf);
       }
+    } else if (stage_ <= 1 && grads_in_place_) {
+      keep_for_step(k);
     } else if (stage_ <= 1) {
       const auto& r = part_.grad_buckets[k].range;
       auto buf = grad16_.narrow(0, r.begin, r.count);
@@ -824,6 +842,25 @@ class Engine {
                  dp_ == 1 && !cfg_.ft.active ? gradg_[k] : full_to_shard(k, gradg_[k], 0, true));
       drop_group_grad(k);
     }
+    grad_dirty_[k] = false;
+  }
+
+  // Stages 0/1 without an fp32 accumulator: bucket k, reduced (or, with dp = 1, complete), stays
+  // in grad16_ for the step, which reads this rank's shard of it and zeroes it; the rest of the
+  // bucket (other ranks' parts at stage 1) is zeroed now for the next step's backward.
+  void keep_for_step(int k) {
+    const Range& r = part_.grad_buckets[k].range;
+    if (stage_ == 1) {
+      const Range shard = part_.shard(dpr_);
+      const int64_t b = std::max(r.begin, shard.begin), e = std::min(r.end(), shard.end());
+      if (e <= b) {
+        grad16_.narrow(0, r.begin, r.count).zero_();
+      } else {
+        if (b > r.begin) grad16_.narrow(0, r.begin, b - r.begin).zero_();
+        if (e < r.end()) grad16_.narrow(0, e, r.end() - e).zero_();
+      }
+    }
+    held_for_step_[k] = true;
     grad_dirty_[k] = false;
   }
 
@@ -1267,42 +1304,87 @@ class Engine {
       publish_master();
       return;
     }
-    at::Tensor g = step_gradient();
-    if (!g.defined()) return;  // skipped (fp16 overflow)
-    adam_step_ += 1;
-    // Both clear g (grad_acc_ unless copied above) for the next step, the host one in the AdamW pass itself.
-    if (offload_) host_step_and_publish(g, hyper);
-    else adamw_step(master_, g, exp_avg_, exp_avg_sq_, adam_step_, hyper, &adam_step_tensor_, nullptr, true);
+    if (offload_) {
+      at::Tensor g = step_gradient();
+      if (!g.defined()) return;  // skipped (fp16 overflow)
+      adam_step_ += 1;
+      host_step_and_publish(g, hyper);  // clears g in the AdamW pass itself
+    } else {
+      const StepGradient sg = step_gradient_parts();
+      if (!sg.g.defined()) return;  // skipped (fp16 overflow)
+      adam_step_ += 1;
+      // One pass (fused_adamw_step): the gradient read where it is (the 16-bit buckets at stages
+      // 0/1, the 16-bit partition at stage 2, the fp32 accumulator at stage 3), scaled, AdamW, the
+      // 16-bit copy written and the gradient cleared for the next step.
+      at::Tensor out = publish_target();
+      fused_adamw_step(master_, sg.g, exp_avg_, exp_avg_sq_, adam_step_, hyper, sg.pre, sg.coef, out, true,
+                       &adam_step_tensor_, step_path_);
+      if (!out.defined()) publish_master();
+      std::fill(held_for_step_.begin(), held_for_step_.end(), false);
+    }
     if (experts_)
       experts_->step([&](at::Tensor& p, at::Tensor& eg, at::Tensor& m, at::Tensor& v) {
         adamw_step(p, eg, m, v, adam_step_, hyper, &expert_step_tensor_, nullptr, true);
       });
     if (fp16_) scaler_.update(false);
-    if (!offload_) publish_master();
+  }
+
+  // The updated parameters' 16-bit home that the step writes directly: this rank's part of the
+  // 16-bit buffer (stage 3: its shard); undefined where the trainable pieces are scattered (stage 3
+  // with frozen tensors: publish_master copies them).
+  at::Tensor publish_target() {
+    if (stage_ == 0) return flat16_;
+    if (stage_ <= 2) return flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel);
+    if (cfg_.ft.active) return at::Tensor();
+    return shard16_;
+  }
+
+  // The step's gradient as one fp32 tensor, scaled in place (offload, 1-bit Adam): undefined when
+  // the step is skipped.
+  at::Tensor step_gradient() {
+    StepGradient sg = step_gradient_parts();
+    if (!sg.g.defined()) return sg.g;
+    at::Tensor g = sg.g;
+    if (g.scalar_type() != at::kFloat) {
+      g = sg.g.to(at::kFloat);
+      sg.g.zero_();
+    }
+    if (sg.pre != 1.0) g.mul_(sg.pre);
+    if (sg.coef != 1.0) g.mul_(sg.coef);
+    return g;
   }
 
   // The step's gradient: reductions completed and folded, unscaled, clipped (the global norm
   // over this rank's accumulator; rank-local in 1-bit Adam's compressed phase, as DeepSpeed
-  // clips before its optimizer). Undefined when the step is skipped (fp16 overflow).
-  at::Tensor step_gradient() {
+  // clips before its optimizer). g undefined when the step is skipped (fp16 overflow); else the
+  // gradient is g * pre * coef: pre the data-parallel average not yet applied (the 16-bit buckets
+  // stepped in place), coef the loss scale's inverse and the clipping factor.
+  struct StepGradient {
+    at::Tensor g;
+    double pre = 1, coef = 1;
+  };
+  StepGradient step_gradient_parts() {
     check_tp_ledger();
     flush_all();
     at::NoGradGuard ng;
     fold_unreduced();
     drain_host_accumulation();
     if (bucket_bytes_ != 0) throw std::logic_error("ZeRO-2: gradient bucket buffers left at the step");
-    // Stage 2 keeps its partition in 16 bits (DeepSpeed's averaged_gradients) and steps on an fp32
-    // copy of it (freed after the step); elsewhere the accumulator is fp32 and is stepped on in place.
+    // Stage 2 keeps its partition in 16 bits (DeepSpeed's averaged_gradients), stages 0/1 their
+    // reduced buckets (this rank's shard of grad16_, not yet averaged); stage 3 and offload an fp32
+    // accumulator. The step reads each where it is.
     at::Tensor acc = grad_acc_;
-    if (acc.scalar_type() != at::kFloat) {
-      acc = grad_acc_.to(at::kFloat);
-      grad_acc_.zero_();
+    double pre = 1;
+    if (grads_in_place_) {
+      acc = stage_ == 0 ? grad16_ : grad16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel);
+      pre = scale_for_average();
     }
     const bool inject = std::find(o_.overflow_steps.begin(), o_.overflow_steps.end(), int(step_ + 1)) !=
                         o_.overflow_steps.end();
     if (inject) acc.narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
     const at::Tensor expert_acc = experts_ ? experts_->step_gradient() : at::Tensor();
     const double inv_scale = 1.0 / scaler_.scale();
+    const double unscale = inv_scale * pre;  // of acc's values
     const double clip = sc_.training.gradient_clipping;
     // Global squared norm of the (unscaled) gradient: whole on ZeRO-0, summed over shards else,
     // and over pipeline stages and TP slices, each parameter counted once (norm_ranges_).
@@ -1313,10 +1395,10 @@ class Engine {
       if (!norm_by_ranges_) {
         sumsq = sum_of_squares(acc);
       } else {  // the counted ranges only, without a full-size temporary
-        sumsq = at::zeros({}, acc.options());
+        sumsq = at::zeros({}, acc.options().dtype(at::kFloat));
         for (const auto& [off, n] : norm_ranges_) sumsq.add_(sum_of_squares(acc.narrow(0, off, n)));
       }
-      sumsq = sumsq.mul_(inv_scale * inv_scale).reshape({1});
+      sumsq = sumsq.mul_(unscale * unscale).reshape({1});
       if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1 || experts_) {
         if (stage_ == 0 && dpr_ != 0) sumsq.zero_();  // its data-parallel replica 0 counts the whole
         // The experts' gradients, each counted once (moe.cpp): they differ over the EP group.
@@ -1334,8 +1416,9 @@ class Engine {
       step_skipped_ = true;
       scaler_.update(true);  // throws at the minimum scale, with DeepSpeed's message
       acc.zero_();
+      std::fill(held_for_step_.begin(), held_for_step_.end(), false);
       if (experts_) experts_->zero_gradient();
-      return at::Tensor();
+      return {};
     }
     if (overflow) throw std::runtime_error("non-finite gradient norm at step " + std::to_string(step_ + 1));
     double coef = inv_scale;
@@ -1343,11 +1426,9 @@ class Engine {
       const double norm = std::sqrt(norm2);
       if (norm > clip) coef *= clip / (norm + 1e-6);
     }
-    at::Tensor g = acc;
     // With the optimizer offloaded, g, master and moments are host tensors: the step runs on the CPU.
-    if (coef != 1.0) g.mul_(coef);
     if (coef != 1.0 && experts_) expert_acc.mul_(coef);
-    return g;
+    return {acc, pre, coef};
   }
 
   // The host's gradient sums must be complete before the step reads them; the wait is the part of
@@ -1361,7 +1442,11 @@ class Engine {
 
   // Squared L2 norm: one reduction pass, no full-size temporary (the offloaded shard of a 7B
   // model is 27 GB); inf / nan gradients give a non-finite norm.
-  static at::Tensor sum_of_squares(const at::Tensor& t) { return at::norm(t).square(); }
+  // 16-bit gradients are squared and summed in fp32.
+  static at::Tensor sum_of_squares(const at::Tensor& t) {
+    if (t.scalar_type() == at::kFloat) return at::norm(t).square();
+    return at::norm(t, 2, at::kFloat).square();
+  }
 
   // ZeRO-Offload's step on the host, chunk by chunk, each chunk's updated parameters written in
   // the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam
@@ -1820,6 +1905,11 @@ class Engine {
   double host_acc_bytes_ = 0;  // the host sums' memory traffic over the measured steps
   double host_copy_wait_seconds_ = 0;  // of the worker's busy time, waiting for the copies to land
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
+  // Stages 0/1: the step reads the reduced 16-bit buckets in place (no grad_acc_); held_for_step_:
+  // buckets reduced in this step, which no backward may write into before the step.
+  bool grads_in_place_ = false;
+  std::vector<bool> held_for_step_;
+  StepPath step_path_ = StepPath::Fused;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
   std::vector<std::vector<int>> group_units_;
   std::vector<int64_t> unit_group_offset_;

@@ -7,6 +7,9 @@
 #include <vector>
 #include <ATen/Parallel.h>
 #include "backends/torch/torch_compat.hpp"
+#if defined(DSSIM_HAVE_CUDA_KERNELS)
+#include "backends/torch/fused_adamw_cuda.hpp"
+#endif
 
 namespace dssim::tb {
 
@@ -30,33 +33,54 @@ void parallel_range(int64_t n, const F& body, int max_threads = 0) {
   for (auto& th : pool) th.join();
 }
 
-template <class T16, bool ClearGrad>
-void fused_loop_impl(float* p, float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h,
-                     int64_t step) {
+// One pass over p, g, m, v (G: the gradient's type; its value used is g * pre * coef, each a float
+// multiply as the engine's fp32 accumulator would have it), the updated p written converted into
+// `out` (T16 void: none).
+template <class G, class T16, bool ClearGrad>
+void fused_loop_impl(float* p, G* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h, int64_t step,
+                     float pre, float coef) {
   const float b1 = float(h.beta1), b2 = float(h.beta2), eps = float(h.eps);
   const float decay = float(1.0 - h.lr * h.weight_decay);
   const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
   const float step_size = float(h.lr / bc1), inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
+  const bool apply_pre = pre != 1.0f, apply_coef = coef != 1.0f;
   parallel_range(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float gi = g[i];
+      float gi = float(g[i]);
+      if (apply_pre) gi *= pre;
+      if (apply_coef) gi *= coef;
       const float mi = m[i] + (gi - m[i]) * (1.0f - b1);
       const float vi = v[i] * b2 + (1.0f - b2) * gi * gi;
       const float pi = p[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
       m[i] = mi;
       v[i] = vi;
       p[i] = pi;
-      if constexpr (ClearGrad) g[i] = 0.0f;  // the next step's buffer, cleared while its line is in cache
+      if constexpr (ClearGrad) g[i] = G(0.0f);  // the next step's buffer, cleared while its line is in cache
       if constexpr (!std::is_same_v<T16, void>) out[i] = T16(pi);
     }
   });
 }
 
-template <class T16>
-void fused_loop(float* p, float* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h, int64_t step,
-                bool clear_grad) {
-  if (clear_grad) fused_loop_impl<T16, true>(p, g, m, v, out, n, h, step);
-  else fused_loop_impl<T16, false>(p, g, m, v, out, n, h, step);
+template <class G, class T16>
+void fused_loop(float* p, G* g, float* m, float* v, T16* out, int64_t n, const AdamWHyper& h, int64_t step,
+                bool clear_grad, float pre = 1.0f, float coef = 1.0f) {
+  if (clear_grad) fused_loop_impl<G, T16, true>(p, g, m, v, out, n, h, step, pre, coef);
+  else fused_loop_impl<G, T16, false>(p, g, m, v, out, n, h, step, pre, coef);
+}
+
+// The host loop for a gradient of type G: dispatched on the output's type.
+template <class G>
+void fused_loop_out(float* p, G* g, float* m, float* v, at::Tensor* out, int64_t n, const AdamWHyper& h,
+                    int64_t step, bool clear_grad, float pre, float coef) {
+  if (!out || !out->defined()) return fused_loop<G, void>(p, g, m, v, nullptr, n, h, step, clear_grad, pre, coef);
+  if (!out->is_cpu() || !out->is_contiguous() || out->numel() != n)
+    throw std::invalid_argument("adamw_step: out16 must be a contiguous host tensor of p's size");
+  switch (out->scalar_type()) {
+    case at::kBFloat16: return fused_loop(p, g, m, v, out->data_ptr<at::BFloat16>(), n, h, step, clear_grad, pre, coef);
+    case at::kHalf: return fused_loop(p, g, m, v, out->data_ptr<at::Half>(), n, h, step, clear_grad, pre, coef);
+    case at::kFloat: return fused_loop(p, g, m, v, out->data_ptr<float>(), n, h, step, clear_grad, pre, coef);
+    default: throw std::invalid_argument("adamw_step: out16 must be bf16, fp16 or fp32");
+  }
 }
 
 }  // namespace
@@ -93,16 +117,83 @@ void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
   const int64_t n = p.numel();
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* gp = g.data_ptr<float>();  // written only when clear_grad
-  if (out16 && out16->defined()) {
-    if (!out16->is_cpu() || !out16->is_contiguous() || out16->numel() != n)
-      throw std::invalid_argument("adamw_step: out16 must be a contiguous host tensor of p's size");
-    if (out16->scalar_type() == at::kBFloat16)
-      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::BFloat16>(), n, h, step, clear_grad);
-    if (out16->scalar_type() == at::kHalf)
-      return fused_loop(pp, gp, mp, vp, out16->data_ptr<at::Half>(), n, h, step, clear_grad);
-    throw std::invalid_argument("adamw_step: out16 must be bf16 or fp16");
+  fused_loop_out(pp, gp, mp, vp, out16, n, h, step, clear_grad, 1.0f, 1.0f);
+}
+
+namespace {
+
+// The reference: libtorch's ops, pass by pass (the gradient to an fp32 tensor, scaled, AdamW, the
+// gradient cleared, the copy written).
+void fused_step_by_ops(at::Tensor& p, at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step, const AdamWHyper& h,
+                       double pre, double coef, at::Tensor& out, bool clear_grad, at::Tensor* step_tensor) {
+  const bool in_place = g.scalar_type() == at::kFloat && (clear_grad || (pre == 1.0 && coef == 1.0));
+  at::Tensor g32 = in_place ? g : g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  if (pre != 1.0) g32.mul_(pre);
+  if (coef != 1.0) g32.mul_(coef);
+  adamw_step(p, g32, m, v, step, h, step_tensor, nullptr, clear_grad && in_place);
+  if (clear_grad && !in_place) g.zero_();
+  if (out.defined()) out.copy_(p);
+}
+
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+cuda::DType kernel_dtype(const at::Tensor& t) {
+  if (!t.defined()) return cuda::DType::None;
+  switch (t.scalar_type()) {
+    case at::kFloat: return cuda::DType::F32;
+    case at::kBFloat16: return cuda::DType::BF16;
+    case at::kHalf: return cuda::DType::F16;
+    default: throw std::invalid_argument("fused_adamw_step: tensors must be fp32, bf16 or fp16");
   }
-  fused_loop<void>(pp, gp, mp, vp, nullptr, n, h, step, clear_grad);
+}
+#endif
+
+}  // namespace
+
+bool fused_step_kernel_available() {
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void fused_adamw_step(at::Tensor& p, at::Tensor g, at::Tensor& m, at::Tensor& v, int64_t step, const AdamWHyper& h,
+                      double pre, double coef, at::Tensor out, bool clear_grad, at::Tensor* step_tensor,
+                      StepPath path) {
+  const int64_t n = p.numel();
+  for (const at::Tensor* t : {&p, &m, &v})
+    if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n)
+      throw std::invalid_argument("fused_adamw_step: p, m, v must be contiguous fp32 tensors of one size");
+  if (!g.is_contiguous() || g.numel() != n || g.device() != p.device() ||
+      (out.defined() && (!out.is_contiguous() || out.numel() != n || out.device() != p.device())))
+    throw std::invalid_argument("fused_adamw_step: g (and out) must be contiguous, of p's size, on p's device");
+  if (path == StepPath::Ops) return fused_step_by_ops(p, g, m, v, step, h, pre, coef, out, clear_grad, step_tensor);
+  if (p.is_cpu()) {
+    float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
+    at::Tensor* o = out.defined() ? &out : nullptr;
+    switch (g.scalar_type()) {
+      case at::kFloat: return fused_loop_out(pp, g.data_ptr<float>(), mp, vp, o, n, h, step, clear_grad, float(pre), float(coef));
+      case at::kBFloat16:
+        return fused_loop_out(pp, g.data_ptr<at::BFloat16>(), mp, vp, o, n, h, step, clear_grad, float(pre), float(coef));
+      case at::kHalf: return fused_loop_out(pp, g.data_ptr<at::Half>(), mp, vp, o, n, h, step, clear_grad, float(pre), float(coef));
+      default: throw std::invalid_argument("fused_adamw_step: g must be fp32, bf16 or fp16");
+    }
+  }
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+  if (p.is_cuda()) {
+    cuda::FusedAdamWLaunch a;
+    a.p = p.data_ptr<float>(), a.m = m.data_ptr<float>(), a.v = v.data_ptr<float>();
+    a.g = g.data_ptr(), a.grad_type = kernel_dtype(g);
+    if (out.defined()) a.out = out.data_ptr(), a.out_type = kernel_dtype(out);
+    a.n = n, a.step = step;
+    a.lr = h.lr, a.beta1 = h.beta1, a.beta2 = h.beta2, a.eps = h.eps, a.weight_decay = h.weight_decay;
+    a.pre = float(pre), a.coef = float(coef), a.clear_grad = clear_grad;
+    c10::cuda::CUDAGuard guard(p.device());
+    cuda::launch_fused_adamw(a, c10::cuda::getCurrentCUDAStream(p.device().index()).stream());
+    return;
+  }
+#endif
+  fused_step_by_ops(p, g, m, v, step, h, pre, coef, out, clear_grad, step_tensor);
 }
 
 double host_step_and_publish(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,

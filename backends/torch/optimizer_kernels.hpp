@@ -1,14 +1,16 @@
 // The optimizer step's kernels, shared by the engine (engine.cpp) and `dssim calibrate`
 // (calibrate.cpp), so that the rate the calibration measures is the rate of the code that trains.
 //
-// One step of the engine, per parameter of this rank's shard (16-bit training, as DeepSpeed's
-// BF16_Optimizer lays it out: fp32 master, moments and a persistent fp32 gradient buffer):
-//   fold     g32 += g16; g16 = 0          read 2 + 4, write 4 + 2   = 12 bytes  (16-bit grads in)
-//   adamw    p32, m, v updated from g32    read 16, write 12         = 28 bytes
-//   clear    g32 = 0                                   write 4      =  4 bytes
-//   publish  p16 = p32                     read 4, write 2           =  6 bytes
+// One step of the engine, per parameter of this rank's shard (fused_adamw_step, one pass; issue
+// 15): the gradient read where it lies (stages 0/1: the reduced 16-bit buckets, stage 2: the
+// 16-bit partition, stage 3: the fp32 accumulator), the fp32 master and the moments read and
+// written, the 16-bit copy of the parameter written, the gradient cleared:
+//   16-bit gradients   read 2 + 12, write 12 + 2 + 2   = 30 bytes  (kStepBytesPerParam16)
+//   fp32 accumulator   read 4 + 12, write 12 + 2 + 4   = 34 bytes
+// The step before it (optimizer.fused_step: false, libtorch's ops) folded the 16-bit gradients
+// into an fp32 buffer (12), ran AdamW over it (28), cleared it (4) and published (6): 50 bytes.
 // core/program_builder.cpp counts the same bytes for the OptimizerStep instruction, and the
-// profile's `optimizer_step` row is bytes/s over that sum (kStepBytesPerParam16).
+// profile's `optimizer_step` row is bytes/s over kStepBytesPerParam16.
 #pragma once
 #include <cstdint>
 #include <ATen/ATen.h>
@@ -21,8 +23,7 @@ struct AdamWHyper {
 
 constexpr double kFoldBytesPerParam16 = 12, kAdamWBytesPerParam = 28, kClearBytesPerParam = 4,
                  kPublishBytesPerParam16 = 6;
-constexpr double kStepBytesPerParam16 =
-    kFoldBytesPerParam16 + kAdamWBytesPerParam + kClearBytesPerParam + kPublishBytesPerParam16;
+constexpr double kStepBytesPerParam16 = 2 + 12 + 12 + 2 + 2;
 // 1-bit Adam's step in its compressed phase (backends/torch/onebit_adam.cpp, frozen variance), as
 // the engine runs it on one rank: fold (12), momentum m = b1 m + (1 - b1) g (mul_ and add_: read
 // 4 + 4 + 4, write 4 + 4 = 20), clear g32 (4), the update p = p (1 - lr wd) - lr / bc1 m /
@@ -46,6 +47,20 @@ constexpr double kHostStepBytesPerParam16 = kAdamWBytesPerParam + kClearBytesPer
 void adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
                 const AdamWHyper& h, at::Tensor* step_tensor = nullptr, at::Tensor* out16 = nullptr,
                 bool clear_grad = false);
+
+// The engine's step on one flat shard in one pass (issue 15): the gradient g (fp32, bf16 or fp16,
+// on p's device; the value used is g * pre * coef, each a float multiply, as the fp32 accumulator
+// would hold it), AdamW on p, m, v (torch.optim.AdamW's formula), the updated parameters written
+// converted into `out` (bf16, fp16 or fp32; undefined: none) and g zeroed when clear_grad.
+// Fused: on CUDA the kernel of fused_adamw_cuda.cu where nvcc built it (DSSIM_HAVE_CUDA_KERNELS),
+// on the host the fused loop; elsewhere, or with path Ops, libtorch's ops pass by pass (the
+// gradient copied to fp32 if 16-bit, scaled, adamw_step, the clear, the copy), the reference.
+enum class StepPath { Fused, Ops };
+void fused_adamw_step(at::Tensor& p, at::Tensor g, at::Tensor& m, at::Tensor& v, int64_t step, const AdamWHyper& h,
+                      double pre, double coef, at::Tensor out, bool clear_grad, at::Tensor* step_tensor,
+                      StepPath path = StepPath::Fused);
+// Whether this build has the CUDA kernel (nvcc and a CUDA libtorch).
+bool fused_step_kernel_available();
 
 // ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): AdamW over host fp32 p, g, m, v
 // in chunks of 2^26 elements, each chunk's updated parameters written into `dst` (16-bit or fp32,

@@ -48,13 +48,13 @@ int main(int argc, char** argv) {
       const auto t = p.backward_gemm_seconds(op, g.dtype);
       require(t && *t > 0, "backward time of every measured forward shape");
     }
-    // The optimizer step (50 bytes / parameter) and the host AdamW (34 bytes / parameter: AdamW 28, the gradients cleared 4, the bf16 copy 2).
+    // The optimizer step (the one-pass fused step, 30 bytes / parameter) and the host AdamW (34 bytes / parameter: AdamW 28, the gradients cleared 4, the bf16 copy 2).
     size_t step_rows = 0, host_rows = 0;
     for (const auto& e : p.elementwise) {
       if (e.op != "optimizer_step" && e.op != "host_adamw") continue;
-      const double per_param = e.op == "optimizer_step" ? 50 : 34;
+      const double per_param = e.op == "optimizer_step" ? 30 : 34;
       const double n = e.bytes / per_param;
-      require(n == std::floor(n) && n >= 1024, "optimizer rows: bytes are a whole number of parameters x 50 (34 on the host)");
+      require(n == std::floor(n) && n >= 1024, "optimizer rows: bytes are a whole number of parameters x 30 (34 on the host)");
       const auto r = p.elementwise_bytes_per_second(e.op, e.dtype, e.bytes);
       require(r && *r == e.bytes_per_second, "optimizer rows: lookup exact on its table points");
       ++(e.op == "optimizer_step" ? step_rows : host_rows);

@@ -123,22 +123,22 @@ TEST_CASE("a frozen GEMM's backward is its input gradient only; adapters train",
 }
 
 TEST_CASE("LoRA memory: frozen weights keep their bf16 copy only", "[finetune][memory]") {
-  // One GPU, ZeRO-0, bf16: full fine-tuning keeps 2 (params) + 2 (grads) + 4 (BF16_Optimizer's fp32
-  // gradients) + 12 (Adam) bytes per parameter; LoRA the 2-byte base plus 20 bytes per adapter
-  // parameter.
+  // One GPU, ZeRO-0, bf16: full fine-tuning keeps 2 (params) + 2 (grads) + 12 (Adam) bytes per
+  // parameter (the engine steps the bf16 gradients in place: no fp32 gradient buffer); LoRA the
+  // 2-byte base plus 16 bytes per adapter parameter.
   const Scenario full = llama7b("");
   const Scenario lora = llama7b("finetune: {method: lora, rank: 8, targets: [q_proj, v_proj]}\n");
   const double P = 6'738'415'616.0, A = 4'194'304.0;
   const MemoryBreakdown f = stage_memory(full, 0), l = stage_memory(lora, 0);
   CHECK(f.params == Approx(2 * P));
-  CHECK(f.grads == Approx(6 * P));
+  CHECK(f.grads == Approx(2 * P));
   CHECK(f.optimizer == Approx(12 * P));
   CHECK(l.params == Approx(2 * (P + A)));
-  CHECK(l.grads == Approx(6 * A));
+  CHECK(l.grads == Approx(2 * A));
   CHECK(l.optimizer == Approx(12 * A));
   // The adapters' saved tensors: A's output, b s r bf16 per adapter and layer (no dropout copy).
   CHECK(l.activations - f.activations == Approx(32 * 2 * 4.0 * 2048 * 8 * 2));
-  CHECK(l.total() < 0.3 * f.total());
+  CHECK(l.total() < 0.36 * f.total());  // the activations of b 8 x s 2048 dominate LoRA's
   // ZeRO-3 still shards the frozen base over the DP group; the optimizer holds the adapters' shard.
   const Scenario z3 = llama7b("finetune: {method: lora, rank: 8, targets: [q_proj, v_proj]}\n", "3", 8);
   const MemoryBreakdown m3 = stage_memory(z3, 0);

@@ -126,17 +126,11 @@ TEST_CASE("in-flight micro-batches: 1F1B and interleaved", "[memory]") {
 }
 
 // ZeRO's accounting keeps 16-bit gradients (2 bytes per element, sharded from stage 2); dssim's
-// engine keeps a persistent fp32 gradient buffer for the optimizer's shard instead at stage 3 and
-// besides the 16-bit gradients at stages 0 and 1 (DeepSpeed's BF16_Optimizer layout); stage 2
-// makes its fp32 copy at the step.
+// engine keeps a persistent fp32 gradient buffer for the optimizer's shard instead at stage 3; at
+// stages 0-2 its step reads the 16-bit gradients in place (no fp32 buffer, no fp32 copy).
 double engine_model_states(double psi, int stage, int n) {
   const double zero = zero_model_state_bytes(psi, stage, n);
-  switch (stage) {
-    case 0: return zero + 4 * psi;
-    case 1: return zero + 4 * psi / n;  // fp16 here; bf16 (BF16_Optimizer) keeps 4 psi
-    case 2: return zero;
-    default: return zero - 2 * psi / n + 4 * psi / n;
-  }
+  return stage < 3 ? zero : zero - 2 * psi / n + 4 * psi / n;
 }
 
 TEST_CASE("ZeRO-3 7.5B on 64 GPUs: model states 1.88 GB", "[memory]") {
@@ -434,4 +428,49 @@ TEST_CASE("ZeRO++ hpZ: each rank also keeps a 1/hpz secondary shard of the 16-bi
   sc.zero.stage = 2;
   Scenario z2 = scenario(gpt(36, 4096, 32), 64, 1, 1, 2);
   CHECK(peak_memory(sc).params == Approx(peak_memory(z2).params));
+}
+
+// Issue 15: the engine's step reads the reduced 16-bit gradient buckets in place at stages 0/1
+// (core/memory.hpp steps_gradient_buckets_in_place); an fp32 gradient buffer stays where the
+// engine still keeps one: stage 3, 1-bit Adam, MoE, DeepSpeed's BF16_Optimizer.
+TEST_CASE("gradients: no fp32 accumulator at stages 0-2 where the step reads the 16-bit buckets in place", "[memory]") {
+  const ModelSpec m = gpt(24, 2048, 16);
+  const double psi = parameter_count(m);
+  for (int ga : {1, 4}) {
+    for (int stage = 0; stage <= 3; ++stage) {
+      INFO("grad_accum " << ga << " stage " << stage);
+      Scenario sc = scenario(m, 1, 1, 1, stage);
+      sc.precision.dtype = Dtype::bf16;
+      sc.training.micro_batch = 8;
+      sc.training.grad_accum = ga;
+      sc.training.global_batch = 8LL * ga;
+      const MemoryBreakdown mb = peak_memory(sc);
+      CHECK(steps_gradient_buckets_in_place(sc) == (stage <= 1));
+      // One rank: 2 bytes of 16-bit gradients per parameter at stages 0-2 (stage 2's partition is
+      // the whole model), the fp32 buffer alone at stage 3.
+      CHECK(mb.grads == Approx(stage < 3 ? 2 * psi : 4 * psi));
+      CHECK(mb.optimizer == Approx(12 * psi));
+    }
+  }
+  // 16 ranks, ZeRO-1 bf16: the 16-bit gradients whole, nothing else.
+  Scenario z1 = scenario(m, 16, 1, 1, 1);
+  z1.precision.dtype = Dtype::bf16;
+  CHECK(peak_memory(z1).grads == Approx(2 * psi));
+  // Where the engine keeps the fp32 buffer at stage 1: 1-bit Adam (ZeRO-0 only, here) and MoE.
+  Scenario ob = scenario(m, 4, 1, 1, 0);
+  ob.precision.dtype = Dtype::bf16;
+  ob.optimizer.kind = OptimizerKind::onebit_adam;
+  CHECK_FALSE(steps_gradient_buckets_in_place(ob));
+  CHECK(peak_memory(ob).grads == Approx(2 * psi + 4 * psi));  // 16-bit + BF16_Optimizer-style fp32, whole
+  Scenario moe = z1;
+  moe.model.experts = 8;
+  moe.model.moe_every = 2;
+  CHECK_FALSE(steps_gradient_buckets_in_place(moe));
+  const double moe_psi = parameter_count(moe.model);
+  CHECK(peak_memory(moe).grads == Approx(2 * moe_psi + 4 * moe_psi).epsilon(1e-9));
+  // Offloaded: the host keeps the fp32 gradients; on the device, the 16-bit ones only.
+  Scenario off = z1;
+  off.zero.offload_optimizer = true;
+  CHECK_FALSE(steps_gradient_buckets_in_place(off));
+  CHECK(peak_memory(off).grads == Approx(2 * psi));
 }

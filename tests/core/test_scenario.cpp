@@ -434,3 +434,14 @@ TEST_CASE("model.cross_entropy: unfused, fused or fused_linear; round-trips; any
   CHECK_THROWS_WITH(load_scenario_from_string(base, bad),
                     Contains("model.cross_entropy") && Contains("fused_linear"));
 }
+
+TEST_CASE("optimizer.fused_step: default true, false round-trips through the resolved YAML", "[scenario]") {
+  const Scenario d = load_scenario_from_string("model: tiny\ntraining: {micro_batch: 1}\ncluster: hgx-h200-ndr\n");
+  CHECK(d.optimizer.fused_step);
+  CHECK(to_yaml(d).find("fused_step") == std::string::npos);  // only the non-default is written
+  const Scenario u = load_scenario_from_string("model: tiny\ntraining: {micro_batch: 1}\ncluster: hgx-h200-ndr\noptimizer: {fused_step: false}\n");
+  CHECK_FALSE(u.optimizer.fused_step);
+  const Scenario r = load_scenario_from_string(to_yaml(u), {}, "<roundtrip>");
+  CHECK_FALSE(r.optimizer.fused_step);  // measurement records keep what their engine ran
+  CHECK_THROWS(load_scenario_from_string("model: tiny\ntraining: {micro_batch: 1}\ncluster: hgx-h200-ndr\noptimizer: {fused_step: 3}\n"));
+}

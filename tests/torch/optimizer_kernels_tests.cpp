@@ -69,3 +69,93 @@ TEST_CASE("host gradient accumulation adds scale * src in one pass", "[optimizer
   REQUIRE(max_rel(acc, ref) < 1e-6);
   REQUIRE_THROWS(adamw_step(acc, src, acc, acc, 1, AdamWHyper{}));  // bf16 gradients are refused
 }
+
+namespace {
+// The engine's step before issue 15, pass by pass: the gradient widened into an fp32 buffer (g *
+// pre, then * coef), torch.optim.AdamW written out in tensor ops, the copy written from the master.
+void reference_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t step,
+                    const AdamWHyper& h, double pre, double coef) {
+  at::Tensor g32 = g.to(at::kFloat, false, true);
+  if (pre != 1.0) g32.mul_(pre);
+  if (coef != 1.0) g32.mul_(coef);
+  p.mul_(1.0 - h.lr * h.weight_decay);
+  m.lerp_(g32, 1.0 - h.beta1);
+  v.mul_(h.beta2).addcmul_(g32, g32, 1.0 - h.beta2);
+  const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(step));
+  p.addcdiv_(m, (v.sqrt() / std::sqrt(bc2)).add_(h.eps), -h.lr / bc1);
+}
+
+// fused_adamw_step on `dev` against the ops path (StepPath::Ops) and the written-out reference, over
+// three steps: gradients of each dtype, scaled (pre, coef) or not, the copy of each dtype or none,
+// an offset of one element (unaligned vectors) and a ragged length. Returns the largest relative
+// difference of the fused master against the ops path's.
+double check_fused_step(const at::Device& dev, at::ScalarType gtype, at::ScalarType otype, bool with_out, double pre,
+                        double coef, int64_t offset) {
+  torch::manual_seed(17);
+  const int64_t n = 100003;
+  const AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1};
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  at::Tensor pbuf = at::randn({n + offset}, f32), mbuf = at::zeros({n + offset}, f32), vbuf = at::zeros({n + offset}, f32);
+  at::Tensor p = pbuf.narrow(0, offset, n), m = mbuf.narrow(0, offset, n), v = vbuf.narrow(0, offset, n);
+  const at::Tensor before = pbuf.narrow(0, 0, offset).clone();  // outside the view: untouched
+  at::Tensor op = p.clone(), om = m.clone(), ov = v.clone();            // the ops path
+  at::Tensor rp = p.cpu().clone(), rm = m.cpu().clone(), rv = v.cpu().clone();  // written out, on the host
+  at::Tensor obuf = at::empty({n + offset}, f32.dtype(otype));
+  at::Tensor out = with_out ? obuf.narrow(0, offset, n) : at::Tensor(), oout = with_out ? at::empty({n}, f32.dtype(otype)) : at::Tensor();
+  at::Tensor st, ost;
+  for (int64_t step = 1; step <= 3; ++step) {
+    at::Tensor gsrc = (at::randn({n + offset}, f32) * 0.01).to(gtype);
+    at::Tensor g = gsrc.narrow(0, offset, n), og = g.clone(), rg = g.cpu().clone();
+    fused_adamw_step(p, g, m, v, step, h, pre, coef, out, /*clear_grad=*/true, &st, StepPath::Fused);
+    fused_adamw_step(op, og, om, ov, step, h, pre, coef, oout, true, &ost, StepPath::Ops);
+    reference_step(rp, rg, rm, rv, step, h, pre, coef);
+    REQUIRE(g.abs().max().item<float>() == 0.0f);  // cleared for the next step
+    REQUIRE(og.abs().max().item<float>() == 0.0f);
+    if (with_out) REQUIRE(at::equal(out.cpu(), p.cpu().to(otype)));  // the copy is the rounded master
+  }
+  REQUIRE(max_rel(p.cpu(), rp) < 1e-5);
+  REQUIRE(max_rel(m.cpu(), rm) < 1e-5);
+  REQUIRE(max_rel(v.cpu(), rv) < 1e-5);
+  if (with_out) REQUIRE(at::equal(oout.cpu(), op.cpu().to(otype)));
+  REQUIRE(at::equal(pbuf.narrow(0, 0, offset), before));
+  return std::max({max_rel(p.cpu(), op.cpu()), max_rel(m.cpu(), om.cpu()), max_rel(v.cpu(), ov.cpu())});
+}
+}  // namespace
+
+TEST_CASE("fused step on the host: 16-bit or fp32 gradients read in place, the copy written, the gradient "
+          "cleared, equal to the ops path bit for bit", "[optimizer]") {
+  const at::Device cpu(at::kCPU);
+  for (auto gt : {at::kBFloat16, at::kHalf, at::kFloat})
+    for (double pre : {1.0, 0.5})
+      for (double coef : {1.0, 0.37}) {
+        INFO("gradient " << c10::toString(gt) << " pre " << pre << " coef " << coef);
+        REQUIRE(check_fused_step(cpu, gt, at::kBFloat16, true, pre, coef, 1) == 0.0);
+      }
+  REQUIRE(check_fused_step(cpu, at::kBFloat16, at::kFloat, true, 0.25, 1.0, 0) == 0.0);  // fp32 training's copy
+  REQUIRE(check_fused_step(cpu, at::kHalf, at::kHalf, true, 1.0, 0.5, 0) == 0.0);
+  REQUIRE(check_fused_step(cpu, at::kFloat, at::kBFloat16, false, 1.0, 1.0, 0) == 0.0);  // no copy (publish later)
+  // Mismatched sizes are refused.
+  at::Tensor p = at::zeros({10}), m = at::zeros({10}), v = at::zeros({10});
+  REQUIRE_THROWS(fused_adamw_step(p, at::zeros({9}, at::kBFloat16), m, v, 1, AdamWHyper{}, 1, 1, at::Tensor(), true, nullptr));
+}
+
+// The CUDA kernel (fused_adamw_cuda.cu) against libtorch's ops on the GPU (_fused_adamw_ on an fp32
+// copy of the gradient): skipped, with a warning, without a GPU or without the kernel in the build.
+TEST_CASE("fused step on a GPU: the CUDA kernel against libtorch's ops", "[optimizer]") {
+  if (!torch::cuda::is_available() || !fused_step_kernel_available()) {
+    WARN("no CUDA device or no CUDA kernel in this build: the fused step's GPU test is skipped");
+    return;
+  }
+  const at::Device gpu(at::kCUDA, 0);
+  double worst = 0;
+  for (auto gt : {at::kBFloat16, at::kHalf, at::kFloat})
+    for (int64_t offset : {0, 1})
+      for (double coef : {1.0, 0.37}) {
+        INFO("gradient " << c10::toString(gt) << " offset " << offset << " coef " << coef);
+        worst = std::max(worst, check_fused_step(gpu, gt, at::kBFloat16, true, 0.5, coef, offset));
+      }
+  worst = std::max(worst, check_fused_step(gpu, at::kFloat, at::kFloat, true, 1.0, 1.0, 0));
+  worst = std::max(worst, check_fused_step(gpu, at::kFloat, at::kBFloat16, false, 1.0, 1.0, 0));
+  WARN("fused CUDA step against libtorch's ops: largest relative difference " << worst);
+  REQUIRE(worst < 1e-6);
+}
