@@ -116,10 +116,12 @@ template <Collective Forward, Collective Backward>
 struct TpRegion : torch::autograd::Function<TpRegion<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
     ctx->saved_data["tp"] = tp;
-    return Forward ? (context(ctx).*Forward)(x) : x.view_as(x);
+    if constexpr (Forward != nullptr) return (context(ctx).*Forward)(x);
+    else return x.view_as(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {Backward ? (context(ctx).*Backward)(g[0]) : g[0], at::Tensor()};
+    if constexpr (Backward != nullptr) return {(context(ctx).*Backward)(g[0]), at::Tensor()};
+    else return {g[0], at::Tensor()};
   }
 };
 using CopyToTp = TpRegion<nullptr, &TensorParallel::all_reduce>;
