@@ -33,7 +33,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>

@@ -1297,35 +1297,37 @@ TEST_CASE("build_program with a StagePlanCache builds the Programs it builds wit
     }
 }
 
+// The first OptimizerStep's HBM bytes per model parameter of sc's Program (rank 0).
+static double step_bytes_per_param(const Scenario& sc) {
+  const Program p = build_program(sc);
+  for (const Instruction& in : p.ranks[0].instructions)
+    if (in.op == Op::OptimizerStep) return in.memory_bytes / parameter_count(sc.model);
+  return 0.0;
+}
+
 // Issue 15: the OptimizerStep's HBM bytes are those of the engine's one-pass step
 // (backends/torch/optimizer_kernels.hpp fused_adamw_step): the gradient read and cleared where it
 // lies (g-byte buckets at stages 0-2, the fp32 accumulator at stage 3), master and moments read and
 // written (24), the g-byte copy written; the global norm, when needed, reads the gradient once more.
 TEST_CASE("OptimizerStep bytes per parameter: the engine's fused step", "[program]") {
-  const auto per_param = [](const Scenario& sc) {
-    const Program p = build_program(sc);
-    for (const Instruction& in : p.ranks[0].instructions)
-      if (in.op == Op::OptimizerStep) return in.memory_bytes / parameter_count(sc.model);
-    return 0.0;
-  };
   for (int stage = 0; stage <= 3; ++stage) {
     INFO("stage " << stage);
     Scenario sc = tiny(1, 1, 1, stage);
     const double in_place = 24 + 2 + 2 * 2, acc32 = 24 + 2 + 2 * 4;  // 30, 34
-    CHECK(per_param(sc) == Approx(stage < 3 ? in_place : acc32).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place : acc32).epsilon(1e-6));
     sc.training.gradient_clipping = 1.0;  // the norm reads the gradient once
-    CHECK(per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
     sc.training.gradient_clipping = 0;
     sc.precision.dtype = Dtype::fp16;  // the overflow check's norm
-    CHECK(per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
     sc.precision.dtype = Dtype::fp32;  // fp32 "16-bit" copy and gradients: 24 + 4 + 2 x 4
-    CHECK(per_param(sc) == Approx(36).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(36).epsilon(1e-6));
   }
   // MoE at stage 1 keeps the fp32 accumulator: the fold at the step (2 x 2 + 8) and a 34-byte step.
   Scenario moe = tiny(1, 1, 1, 1);
   moe.model.experts = 4;
   moe.model.moe_every = 2;
-  CHECK(per_param(moe) == Approx(12 + 34).epsilon(1e-6));
+  CHECK(step_bytes_per_param(moe) == Approx(12 + 34).epsilon(1e-6));
 }
 
 // optimizer.fused_step: false prices the step before issue 15 (the fold into an fp32 buffer, AdamW
@@ -1333,20 +1335,14 @@ TEST_CASE("OptimizerStep bytes per parameter: the engine's fused step", "[progra
 // backward: 38), the norm reading fp32 and the rescale pass when fp16 or clipping need them (+12),
 // and the fp32 buffer at stages 0/1 (core/memory.cpp).
 TEST_CASE("optimizer.fused_step false: the step before issue 15, its bytes and its fp32 buffer", "[program][memory]") {
-  const auto per_param = [](const Scenario& sc) {
-    const Program p = build_program(sc);
-    for (const Instruction& in : p.ranks[0].instructions)
-      if (in.op == Op::OptimizerStep) return in.memory_bytes / parameter_count(sc.model);
-    return 0.0;
-  };
   for (int stage = 0; stage <= 3; ++stage) {
     INFO("stage " << stage);
     Scenario sc = tiny(1, 1, 1, stage);
     sc.optimizer.fused_step = false;
     CHECK_FALSE(steps_gradient_buckets_in_place(sc));
-    CHECK(per_param(sc) == Approx(stage < 3 ? 50 : 38).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? 50 : 38).epsilon(1e-6));
     sc.training.gradient_clipping = 1.0;
-    CHECK(per_param(sc) == Approx(stage < 3 ? 62 : 50).epsilon(1e-6));
+    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? 62 : 50).epsilon(1e-6));
     sc.training.gradient_clipping = 0;
     Scenario fused = sc;
     fused.optimizer.fused_step = true;
