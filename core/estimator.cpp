@@ -50,7 +50,8 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
   };
   // Collectives by (group, op, bytes): an open-addressing table (no node per entry), grown at half full.
   struct Slot { Key key; double seconds; bool used; };
-  std::vector<Slot> collective_slots(64, Slot{{-1, Op::AllReduce, 0}, 0, false});
+  const Slot empty{{-1, Op::AllReduce, 0}, 0, false};
+  std::vector<Slot> collective_slots(64, empty);
   size_t collective_count = 0;
   const auto slot_of = [](const std::vector<Slot>& slots, const Key& k) {
     uint64_t b;
@@ -99,7 +100,7 @@ std::vector<std::vector<double>> price_program(const PricingInputs& pin, const P
       size_t i = slot_of(collective_slots, key);
       if (!collective_slots[i].used) {
         if (2 * (collective_count + 1) > collective_slots.size()) {
-          std::vector<Slot> old(collective_slots.size() * 2, Slot{{-1, Op::AllReduce, 0}, 0, false});
+          std::vector<Slot> old(collective_slots.size() * 2, empty);
           old.swap(collective_slots);
           for (const Slot& o : old)
             if (o.used) collective_slots[slot_of(collective_slots, o.key)] = o;
