@@ -1,7 +1,7 @@
 // The ZeRO data-parallel engine: executes one rank's Program, instruction by instruction, on real
-// tensors. Memory is laid out explicitly (core/zero_partition.hpp): flat fp32 master parameters
-// (whole, or this rank's shard), 16-bit compute copies, flat gradient buffers reduced bucket by
-// bucket where the Program reduces them.
+// tensors. Memory is laid out explicitly (core/zero_partition.hpp, applied in zero_state.hpp): flat
+// fp32 master parameters (whole, or this rank's shard), 16-bit compute copies, flat gradient
+// buffers reduced bucket by bucket where the Program reduces them.
 #pragma once
 #include <map>
 #include <string>
