@@ -7,6 +7,8 @@
 #   scripts/gpu_bench.sh [--steps N] [--configs "8x4 16x2"]   (micro-batch x accumulation)
 #                        [--losses "unfused fused_linear"]   (model.cross_entropy of each dssim run)
 #                        [--model 1.3b|7b]   (7b: GPT 7B, 32 x 4096, ZeRO-3, no offload; default 1.3b, ZeRO-1)
+#                        [--layers N]   (the model's width with N layers, both sides: 7B's width at 16
+#                                        layers fits an 80 GB card, where the 32-layer model does not)
 #                        [--plain "eager compile"]   (the plain PyTorch runs)
 #                        [--no-tiny]   (skip the tiny model's smoke runs)
 #   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
@@ -53,13 +55,15 @@ EOF
   exit 0
 fi
 
-STEPS=10 CONFIGS="8x4" LOSSES="unfused fused_linear" MODEL=1.3b PLAINS="eager compile" TINY_RUNS=1
+STEPS=10 CONFIGS="8x4" LOSSES="unfused fused_linear" MODEL=1.3b PLAINS="eager compile" TINY_RUNS=1 LAYERS=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
     --losses) LOSSES=$2; shift 2 ;;     # model.cross_entropy of each dssim run
     --configs) CONFIGS=$2; shift 2 ;;   # "MBxGA ...": micro-batch x accumulation, first is the headline
     --model) MODEL=$2; shift 2 ;;
+    --layers) LAYERS=$2; shift 2
+              [[ $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "gpu_bench.sh: --layers takes a positive layer count, not $LAYERS" >&2; exit 2; } ;;
     --plain) PLAINS=$2; shift 2
              for m in $PLAINS; do [[ $m == eager || $m == compile ]] || { echo "gpu_bench.sh: --plain takes eager and / or compile, not $m" >&2; exit 2; }; done ;;
     --no-tiny) TINY_RUNS=0; shift ;;
@@ -74,6 +78,10 @@ case "$MODEL" in
         SHAPE="GPT 7B (32 x 4096, 32 heads, s 2048, V 51200)" ;;
   *) echo "gpu_bench.sh: --model takes 1.3b or 7b, not $MODEL" >&2; exit 2 ;;
 esac
+if [[ -n $LAYERS ]]; then
+  DIMS="--layers $LAYERS ${DIMS#--layers * }"
+  SHAPE="$SHAPE with $LAYERS layers"
+fi
 source "$ROOT/scripts/gpu_common.sh"
 rm -f "$OUT/summary.txt"
 gpu_build dssim_torch_run
@@ -106,7 +114,8 @@ cat > "$BUILD/${PRESET}_h200_zero${STAGE}_${TAG}_$LOSS.yaml" <<EOF
 # $SHAPE on one H200, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
 name: ${PRESET}_h200_zero${STAGE}
 model:
-  preset: $PRESET
+  preset: $PRESET${LAYERS:+
+  layers: $LAYERS}
   cross_entropy: $LOSS
 training:
   global_batch: $((MB * GA))
