@@ -436,11 +436,11 @@ class Engine {
     if (!emb_comm_) throw std::runtime_error("Program error: EmbeddingSync on a rank outside the embedding group");
     if (stage_ > 1) throw std::runtime_error("torch backend: EmbeddingSync needs ZeRO stage 0 or 1");
     const int u = layout_.owns(0) ? 0 : cfg_.head_copy_unit();
-    at::Tensor g = zero_->grad16_.narrow(0, zero_->unit_offset(u), unit_params(cfg_, u)[0].numel());
+    at::Tensor g = zero_->grad16().narrow(0, zero_->unit_offset(u), unit_params(cfg_, u)[0].numel());
     check_bytes(in, double(g.numel()) * zero_->elt16());
-    for (size_t k = 0; k < zero_->part_.grad_buckets.size(); ++k) {
-      const Range& r = zero_->part_.grad_buckets[k].range;
-      if (r.begin < zero_->unit_offset(u) + g.numel() && zero_->unit_offset(u) < r.end() && !zero_->grad_dirty_[k])
+    for (size_t k = 0; k < zero_->partition().grad_buckets.size(); ++k) {
+      const Range& r = zero_->partition().grad_buckets[k].range;
+      if (r.begin < zero_->unit_offset(u) + g.numel() && zero_->unit_offset(u) < r.end() && !zero_->grad_dirty(k))
         throw std::runtime_error("Program error: the tied embedding's gradient bucket " + std::to_string(k) +
                                  " was reduced before the EmbeddingSync");
     }
@@ -460,15 +460,15 @@ class Engine {
   void reduce_sequence_parallel_grads(const Instruction& in) {
     if (!tp_.active() || !cfg_.sequence_parallel)
       throw std::runtime_error("Program error: a tensor-parallel gradient all-reduce without sequence parallelism");
-    if (stage_ > 2 || in.bucket < 0 || in.bucket >= int(zero_->part_.grad_buckets.size()))
+    if (stage_ > 2 || in.bucket < 0 || in.bucket >= int(zero_->partition().grad_buckets.size()))
       throw std::runtime_error("Program error: sequence-parallel gradient all-reduce of bucket " + std::to_string(in.bucket));
-    const Range& r = zero_->part_.grad_buckets[in.bucket].range;
+    const Range& r = zero_->partition().grad_buckets[in.bucket].range;
     std::vector<at::Tensor> views;
-    for (const auto& [off, n] : zero_->replicated_ranges_) {
+    for (const auto& [off, n] : zero_->replicated_ranges()) {
       const int64_t b = std::max(off, r.begin), e = std::min(off + n, r.end());
       if (e > b)
         views.push_back(stage_ == 2 ? zero_->bucket_grad(in.bucket).narrow(0, b - r.begin, e - b)
-                                    : zero_->grad16_.narrow(0, b, e - b));
+                                    : zero_->grad16().narrow(0, b, e - b));
     }
     if (views.empty()) throw std::runtime_error("Program error: bucket " + std::to_string(in.bucket) + " holds no replicated parameters");
     at::Tensor flat = at::cat(views);
@@ -578,8 +578,8 @@ class Engine {
     if (stage_ != 0 || par.tp > 1 || par.pp > 1 || offload_ || fp16_)
       throw std::invalid_argument("torch backend: 1-bit Adam runs with zero.stage 0, tp = pp = 1, no offload and "
                                   "fp32 or bf16 (fp16's loss scaler with rank-local gradients is not implemented)");
-    onebit_ = std::make_unique<OnebitAdam>(zero_->master_.numel(), dp_comm_.get(), sc_.optimizer.freeze_step,
-                                           zero_->master_.options());
+    onebit_ = std::make_unique<OnebitAdam>(zero_->master().numel(), dp_comm_.get(), sc_.optimizer.freeze_step,
+                                           zero_->master().options());
     Scenario warm = sc_, compressed = sc_;
     warm.optimizer.step = 0;
     compressed.optimizer.step = std::max(sc_.optimizer.step, sc_.optimizer.freeze_step);
@@ -597,10 +597,10 @@ class Engine {
     if (in.purpose == Purpose::OneBitSigns) {  // the momentum from this rank's own gradient first
       at::Tensor g = step_gradient();
       if (!g.defined()) throw std::logic_error("1-bit Adam: skipped step");
-      onebit_->update_momentum(zero_->exp_avg_, g, sc_.optimizer.beta1);
+      onebit_->update_momentum(zero_->exp_avg(), g, sc_.optimizer.beta1);
       g.zero_();
     }
-    onebit_->run(in, zero_->exp_avg_);
+    onebit_->run(in, zero_->exp_avg());
   }
 
   // ---- optimizer ----------------------------------------------------------------------------
@@ -612,13 +612,13 @@ class Engine {
       if (!onebit_->momentum_ready()) {
         if (dp_ > 1) throw std::runtime_error("Program error: 1-bit Adam's step before its compressed all-reduce");
         at::Tensor g = step_gradient();  // one rank: no communication (DeepSpeed: size > 1 only)
-        onebit_->update_momentum(zero_->exp_avg_, g, opt.beta1);
+        onebit_->update_momentum(zero_->exp_avg(), g, opt.beta1);
         g.zero_();
       }
       step_scale_ = scaler_.scale();
       step_skipped_ = false;
       adam_step_ += 1;
-      onebit_->step(zero_->master_, zero_->exp_avg_, zero_->exp_avg_sq_, adam_step_, hyper);
+      onebit_->step(zero_->master(), zero_->exp_avg(), zero_->exp_avg_sq(), adam_step_, hyper);
       zero_->publish_master();
       return;
     }
@@ -635,7 +635,7 @@ class Engine {
       // 0/1, the 16-bit partition at stage 2, the fp32 accumulator at stage 3), scaled, AdamW, the
       // 16-bit copy written and the gradient cleared for the next step.
       at::Tensor out = zero_->publish_target();
-      fused_adamw_step(zero_->master_, sg.g, zero_->exp_avg_, zero_->exp_avg_sq_, adam_step_, hyper, sg.pre, sg.coef,
+      fused_adamw_step(zero_->master(), sg.g, zero_->exp_avg(), zero_->exp_avg_sq(), adam_step_, hyper, sg.pre, sg.coef,
                        out, true, &adam_step_tensor_, step_path_);
       if (!out.defined()) zero_->publish_master();
       zero_->clear_held_for_step();
@@ -726,14 +726,14 @@ class Engine {
   // ---- checkpoints (backends/torch/checkpoint.hpp) --------------------------------------------
   CheckpointLayout checkpoint_layout() const {
     return {world_.size(), sc_.parallel.tp, sc_.parallel.pp, stage_, to_string(sc_.precision.dtype),
-            zero_->part_.padded_numel};
+            zero_->partition().padded_numel};
   }
 
   void save_checkpoint() {
     at::NoGradGuard ng;
     const fs::path root(o_.checkpoint_dir);
     write_rank_checkpoint(root / checkpoint_step_dir(step_), rank_,
-                          {step_, adam_step_, scaler_.state(), zero_->master_, zero_->exp_avg_, zero_->exp_avg_sq_,
+                          {step_, adam_step_, scaler_.state(), zero_->master(), zero_->exp_avg(), zero_->exp_avg_sq(),
                            checkpoint_extra()});
     world_.barrier();  // every shard is in place before the manifest names the step
     if (rank_ == 0) write_checkpoint_manifest(root, step_, checkpoint_layout());
@@ -754,7 +754,7 @@ class Engine {
     at::NoGradGuard ng;
     int64_t step = 0;
     const fs::path dir = read_checkpoint_manifest(fs::path(o_.checkpoint_dir), checkpoint_layout(), &step);
-    RankCheckpoint c{0, 0, {}, zero_->master_, zero_->exp_avg_, zero_->exp_avg_sq_, checkpoint_extra()};
+    RankCheckpoint c{0, 0, {}, zero_->master(), zero_->exp_avg(), zero_->exp_avg_sq(), checkpoint_extra()};
     read_rank_checkpoint(dir, rank_, step, c);
     adam_step_ = c.adam_step;
     scaler_.restore(c.scaler);

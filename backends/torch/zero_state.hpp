@@ -140,13 +140,26 @@ class ZeroState {
   };
   MemoryBytes memory_bytes() const;
 
-  // The sharded optimizer state (stepped by the engine, checkpointed) and the layout.
+  // ---- what the engine reads and steps ------------------------------------------------------
+  // The layout; the sharded optimizer state (stepped by the engine's AdamW or 1-bit Adam,
+  // checkpointed): the fp32 master (whole, or this rank's shard) and both moments.
+  const ZeroPartition& partition() const { return part_; }
+  at::Tensor& master() { return master_; }
+  at::Tensor& exp_avg() { return exp_avg_; }
+  at::Tensor& exp_avg_sq() { return exp_avg_sq_; }
+  // Stages 0-2: the flat 16-bit gradient buffer (summed over the TP group under sequence
+  // parallelism), whether bucket k holds gradients of this step, and the TP-replicated tensors'
+  // ranges in the flat layout.
+  const at::Tensor& grad16() const { return grad16_; }
+  bool grad_dirty(size_t bucket) const { return grad_dirty_[bucket]; }
+  const std::vector<std::pair<int64_t, int64_t>>& replicated_ranges() const { return replicated_ranges_; }
+
+ private:
   ZeroPartition part_;
   at::Tensor flat16_, grad16_, shard16_, master_, exp_avg_, exp_avg_sq_, grad_acc_;
   std::vector<bool> grad_dirty_;
   std::vector<std::pair<int64_t, int64_t>> replicated_ranges_;  // TP-replicated tensors in the flat layout
 
- private:
   void allocate();
   std::vector<at::Tensor> leaves(const at::Tensor& flat, const at::Tensor& grad_flat, int u);
   std::vector<at::Tensor> partition_leaves(int u, const at::Tensor& grad_flat);
