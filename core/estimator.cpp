@@ -410,7 +410,8 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
       }
     }
   };
-  auto finish = [&](int ri, uint32_t i, int s, double start) {
+  // `running`: on the stream being run, which goes on by itself (nothing to wake there).
+  auto finish = [&](int ri, uint32_t i, int s, double start, bool running = false) {
     const double end = start + seconds[ri][i];
     tl.spans[ri][i] = {start, end};
     done[ri][i] = 1;
@@ -418,7 +419,7 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
     ++cursor[ri][s];
     tl.makespan = std::max(tl.makespan, end);
     --remaining;
-    wake(static_cast<size_t>(ri) * kStreams + s);  // finished by a partner: its own stream can go on
+    if (!running) wake(static_cast<size_t>(ri) * kStreams + s);  // finished by a partner: its own stream can go on
     if (waiting[ri]) wake_waiters(static_cast<size_t>(ri), i);
   };
 
@@ -430,9 +431,8 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
     const size_t ri = q / kStreams;
     const int s = static_cast<int>(q % kStreams);
     const RankProgram& rp = program.ranks[ri];
-    char* done_r = done[ri].data();
-    Span* span_r = tl.spans[ri].data();
-    const double* seconds_r = seconds[ri].data();
+    const char* done_r = done[ri].data();
+    const Span* span_r = tl.spans[ri].data();
     const uint32_t* deps_r = rp.deps.data();
     double& free_s = stream_free[ri][s];
     size_t& cursor_s = cursor[ri][s];
@@ -454,15 +454,7 @@ Timeline evaluate(const Program& program, const std::vector<std::vector<double>>
       }
       if (blocked) break;
       if (en.kind == kPlain) {  // also a collective of a group with one materialized member
-        // (finish, for the stream being run: nothing to wake on it)
-        const double end = ready + seconds_r[i];
-        span_r[i] = {ready, end};
-        done_r[i] = 1;
-        free_s = end;
-        ++cursor_s;
-        tl.makespan = std::max(tl.makespan, end);
-        --remaining;
-        if (waiting[ri]) wake_waiters(ri, i);
+        finish(static_cast<int>(ri), i, s, ready, true);
         continue;
       }
       if (en.kind == kRendezvous) {

@@ -62,6 +62,9 @@ double fused_step_bytes_per_param(int g, int r) { return 24 + double(g) + 2.0 * 
 // Folding g-byte gradients into an fp32 accumulator and zeroing them: 2g + 8 (stage 3 in its
 // backward; stages 0/1 where the step does not read the buckets in place, at the step).
 double fold_bytes_per_param(int g) { return 2.0 * g + 8; }
+// optimizer.fused_step false, the step before issue 15, after the fold: AdamW over the fp32
+// gradients (28), their clear (4), the g-byte copy from the master (4 + g).
+double unfused_step_bytes_per_param(int g) { return 28 + 4 + (4.0 + g); }
 // 1-bit Adam's compressed-phase step (backends/torch/optimizer_kernels.hpp): the fold, the momentum
 // update (20), the clear, the frozen-variance update in five passes (48), the publish.
 double onebit_step_bytes_per_param(int g) { return fold_bytes_per_param(g) + 20 + 4 + 48 + (4 + g); }
@@ -762,6 +765,18 @@ class Builder {
     return id;
   }
 
+  // Appends an instruction that joins no chain; on the compute stream it is the last compute and
+  // closes the open chain.
+  uint32_t append(RankCtx& x, const Instruction& in, const uint32_t* deps, size_t n) {
+    const bool compute = in.stream == Stream::Compute;  // (read before: `in` may be the caller's only copy)
+    const uint32_t id = x.rp->add(in, deps, n);
+    if (compute) {
+      x.last_compute = id;
+      finish_chain(x);
+    }
+    return id;
+  }
+
   // As add, but the instruction stays open for the next compute-stream instruction to fold into
   // (collapse_chains): for instructions whose id the caller does not keep.
   uint32_t add_link(RankCtx& x, const Instruction& in, std::initializer_list<uint32_t> waits) {
@@ -790,10 +805,8 @@ class Builder {
         return x.chain;
       }
     }
-    const uint32_t id = x.rp->add(in, x.deps);
+    const uint32_t id = append(x, in, x.deps.data(), x.deps.size());
     if (!compute) return id;  // (other streams neither extend nor close the chain)
-    x.last_compute = id;
-    finish_chain(x);
     x.chain = link ? id : kNone;
     if (link) x.chain_deps.assign(x.deps.begin(), x.deps.end());
     return id;
@@ -970,14 +983,8 @@ class Builder {
       in.bytes = purpose == Purpose::PipelineActivation ? p2p_act_bytes_ : p2p_grad_bytes_;
       x.p2p_made[k] = 1;
     }
-    // Not a compute instruction that starts on arrival, so what add does, directly: append it;
-    // on the compute stream (DeepSpeed's engine) it is the last compute and closes the chain.
-    const Instruction& proto = x.p2p_proto[k];
-    const uint32_t id = x.rp->add(proto, &wait, wait != kNone ? 1 : 0);
-    if (proto.stream == Stream::Compute) {
-      x.last_compute = id;
-      finish_chain(x);
-    }
+    // Not a compute instruction that starts on arrival (no chain to join): appended.
+    const uint32_t id = append(x, x.p2p_proto[k], &wait, wait != kNone ? 1 : 0);
     Instruction& in = x.rp->instructions[id];
     in.micro_batch = a.mb;
     in.tag = tag;
@@ -1521,11 +1528,11 @@ class Builder {
       const bool fused = sc_.optimizer.fused_step;
       const bool in_place = fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
       const int r = in_place ? g_ : 4;
-      double step_bytes = onebit_ ? onebit_step_bytes_per_param(g_)
-                                  : fused_step_bytes_per_param(g_, r) + (zero_ <= 1 && !in_place ? fold_bytes_per_param(g_) : 0.0);
-      // optimizer.fused_step false, the step before issue 15: fold (stage 3: in backward), AdamW
-      // over the fp32 gradients (28), their clear (4), the copy from the master (4 + g).
-      if (!fused && !onebit_) step_bytes = (zero_ == 3 ? 0.0 : fold_bytes_per_param(g_)) + 28 + 4 + (4 + g_);
+      const double fold = zero_ == 3 ? 0.0 : fold_bytes_per_param(g_);  // (stage 3 folds in backward)
+      double step_bytes = 0;
+      if (onebit_) step_bytes = onebit_step_bytes_per_param(g_);
+      else if (!fused) step_bytes = fold + unfused_step_bytes_per_param(g_);
+      else step_bytes = fused_step_bytes_per_param(g_, r) + (in_place ? 0.0 : fold);
       // (1-bit Adam's compressed step and the unfused one rescale the fp32 gradient in place.)
       o.memory_bytes = shard * (step_bytes + norm_and_unscale_bytes_per_param(r, onebit_ || !fused));
       updated = add(x, o, {x.last_reduce, emb});

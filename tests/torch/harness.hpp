@@ -81,6 +81,22 @@ inline std::vector<float> read_floats(const fs::path& p) {
   return v;
 }
 
+// A run that also dumps the whole model's final fp32 parameters (--dump-params, to a scratch file of
+// its own); it must succeed (its stderr is the failure's message).
+struct Trained {
+  Result r;
+  std::vector<float> params;
+};
+inline Trained train_and_dump(const std::string& args, const std::string& scenario = "scenarios/tiny/tiny_dp2.yaml") {
+  static int n = 0;
+  const fs::path dump = scratch() / ("params" + std::to_string(n++) + ".bin");
+  Trained t{run(args + " --dump-params " + dump.string(), scenario), {}};
+  INFO(scenario << " " << args << "\n" << t.r.err);
+  REQUIRE(t.r.code == 0);
+  t.params = read_floats(dump);
+  return t;
+}
+
 inline double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
   double m = 0;

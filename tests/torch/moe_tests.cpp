@@ -27,19 +27,9 @@ std::string layout(int dp, int ep) {
          " --set cluster.gpus_per_node=" + d + kBatch;
 }
 
-struct Trained {
-  Result r;
-  std::vector<float> params;
-};
-
 Trained train(const std::string& args, int steps = kSteps) {
-  static int n = 0;
-  const fs::path dump = scratch() / ("moe_" + std::to_string(n++) + ".bin");
-  Trained t{run("--json --steps " + std::to_string(steps) + args + " --dump-params " + dump.string(), kScenario), {}};
-  INFO(args << "\n" << t.r.err);
-  REQUIRE(t.r.code == 0);
+  Trained t = train_and_dump("--json --steps " + std::to_string(steps) + args, kScenario);
   REQUIRE(losses(t.r).size() == size_t(steps));
-  t.params = read_floats(dump);
   return t;
 }
 

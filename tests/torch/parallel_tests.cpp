@@ -22,19 +22,9 @@ const char* kOneRank =
     " --set parallel.sequence_parallel=false --set cluster.gpus_per_node=1";
 const char* kFullRecompute = " --set activation_checkpointing=full";
 
-struct Trained {
-  Result r;
-  std::vector<float> params;  // the final fp32 parameters, whole model
-};
-
 Trained train(const std::string& scenario, const std::string& args) {
-  static int n = 0;
-  const fs::path dump = scratch() / ("parallel_" + std::to_string(n++) + ".bin");
-  Trained t{run("--json --steps " + std::to_string(kSteps) + args + " --dump-params " + dump.string(), scenario), {}};
-  INFO(scenario << args << "\n" << t.r.err);
-  REQUIRE(t.r.code == 0);
+  Trained t = train_and_dump("--json --steps " + std::to_string(kSteps) + args, scenario);
   REQUIRE(losses(t.r).size() == size_t(kSteps));
-  t.params = read_floats(dump);
   return t;
 }
 

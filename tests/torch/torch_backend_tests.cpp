@@ -108,16 +108,12 @@ TEST_CASE("the fused optimizer step equals the pass-by-pass one bit for bit, wit
   for (int st = 0; st <= 3; ++st) {
     INFO("stage " << st);
     const std::string z = " --set zero.stage=" + std::to_string(st);
-    const fs::path fa = scratch() / ("fused_" + std::to_string(st) + ".bin"), fb = scratch() / ("unfused_" + std::to_string(st) + ".bin");
-    Result a = run(base + z + " --dump-params " + fa.string());
-    Result b = run(base + z + " --set optimizer.fused_step=false --dump-params " + fb.string());
-    INFO(a.err << b.err);
-    REQUIRE(a.code == 0);
-    REQUIRE(b.code == 0);
+    const Trained fused = train_and_dump(base + z), unfused = train_and_dump(base + z + " --set optimizer.fused_step=false");
+    const Result &a = fused.r, &b = unfused.r;
     require_bytes_match(a);
     require_bytes_match(b);
     CHECK(losses(a) == losses(b));
-    CHECK(read_floats(fa) == read_floats(fb));
+    CHECK(fused.params == unfused.params);
     // The fp32 accumulator of the optimizer's shard (4 bytes per element) is gone at stages 0/1:
     // the fused run keeps the 16-bit buffer only (2 bytes x the padded buffer P).
     const double ga = measured(a).at("memory_bytes").at("grads"), gb = measured(b).at("memory_bytes").at("grads");
@@ -305,19 +301,13 @@ TEST_CASE("model.cross_entropy fused_linear trains as the unfused loss does (fp3
   for (int st : {0, 3}) {
     INFO("stage " << st);
     const std::string z = " --set zero.stage=" + std::to_string(st);
-    const fs::path da = scratch() / ("ce_unfused_" + std::to_string(st) + ".bin");
-    const fs::path db = scratch() / ("ce_fused_" + std::to_string(st) + ".bin");
-    Result a = run(base + z + " --dump-params " + da.string());
-    Result b = run(base + z + " --set model.cross_entropy=fused_linear --dump-params " + db.string());
-    INFO(a.err << b.err);
-    REQUIRE(a.code == 0);
-    REQUIRE(b.code == 0);
-    require_bytes_match(b);
-    CHECK(max_rel_diff(losses(a), losses(b)) <= 1e-6);
+    const Trained unfused = train_and_dump(base + z), fused = train_and_dump(base + z + " --set model.cross_entropy=fused_linear");
+    require_bytes_match(fused.r);
+    CHECK(max_rel_diff(losses(unfused.r), losses(fused.r)) <= 1e-6);
     // The head's weight gradient is summed chunk by chunk (addmm per chunk), in another order than
     // one GEMM over all tokens: fp32 rounding that 8 Adam steps carry to ~1e-6 (measured 1.03e-6);
     // a wrong gradient (a missing 1/T, the one-hot not subtracted) moves them by > 1e-2.
-    CHECK(norm_rel_diff(read_floats(da), read_floats(db)) <= 1e-5);
+    CHECK(norm_rel_diff(unfused.params, fused.params) <= 1e-5);
   }
   Result tp = run("--json --steps 1 --nproc 2 --set parallel.tp=2 --set parallel.dp=1 --set model.cross_entropy=fused_linear");
   CHECK(tp.code == 2);
