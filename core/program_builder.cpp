@@ -42,6 +42,7 @@
 #include "core/chain_index.hpp"
 #include "core/grid.hpp"
 #include "core/memory.hpp"
+#include "core/optimizer_step.hpp"
 #include "core/pipeline_engine.hpp"
 #include "core/schedule.hpp"
 #include "core/zero_partition.hpp"
@@ -52,26 +53,6 @@ namespace dssim {
 namespace {
 
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
-// Mixed-precision Adam on one parameter: ~16 FLOPs. HBM traffic of the engine's step per parameter
-// of the shard with g-byte gradients and compute copy (backends/torch/optimizer_kernels.hpp
-// fused_adamw_step, one pass): the gradient read where it lies and cleared (r bytes each: the
-// g-byte buckets or partition that stages 0-2 step in place, r = g; an fp32 accumulator, r = 4),
-// the fp32 master and both moments read and written (24), the g-byte copy written (g).
-constexpr double kAdamFlopsPerParam = 16;
-double fused_step_bytes_per_param(int g, int r) { return 24 + double(g) + 2.0 * r; }
-// Folding g-byte gradients into an fp32 accumulator and zeroing them: 2g + 8 (stage 3 in its
-// backward; stages 0/1 where the step does not read the buckets in place, at the step).
-double fold_bytes_per_param(int g) { return 2.0 * g + 8; }
-// optimizer.fused_step false, the step before issue 15, after the fold: AdamW over the fp32
-// gradients (28), their clear (4), the g-byte copy from the master (4 + g).
-double unfused_step_bytes_per_param(int g) { return 28 + 4 + (4.0 + g); }
-// 1-bit Adam's compressed-phase step (backends/torch/optimizer_kernels.hpp): the fold, the momentum
-// update (20), the clear, the frozen-variance update in five passes (48), the publish.
-double onebit_step_bytes_per_param(int g) { return fold_bytes_per_param(g) + 20 + 4 + 48 + (4 + g); }
-// ZeRO-Offload's host step (DeepSpeed's CPUAdam step-plus-copy): the AdamW pass on host fp32
-// tensors (28), clearing the fp32 gradients (4) and writing the g-byte copy for the device in the
-// same pass.
-double host_step_bytes_per_param(int g) { return 28 + 4 + double(g); }
 
 struct Tensor {
   int64_t numel;
@@ -193,12 +174,9 @@ std::vector<int> virtual_stage_layers(const Scenario& sc) {
 }
 
 class Builder {
-  // The step's extra passes over the gradients: the global norm (fp16's overflow check, clipping)
-  // reads them once (r bytes each); unscaling (fp16) or clipping rescales the host's fp32 ones in
-  // place (the device's fused step scales as it reads).
-  double norm_and_unscale_bytes_per_param(double r, bool rescale) const {
-    const bool fp16 = sc_.precision.dtype == Dtype::fp16, clip = sc_.training.gradient_clipping > 0;
-    return fp16 || clip ? r + (rescale ? 8.0 : 0.0) : 0.0;
+  // The step takes a global norm of the gradients: fp16's overflow check, gradient clipping.
+  bool step_takes_norm() const {
+    return sc_.precision.dtype == Dtype::fp16 || sc_.training.gradient_clipping > 0;
   }
 
  public:
@@ -432,7 +410,7 @@ class Builder {
       LayerOp fold;
       fold.name = "zero3_gradient_fold";
       // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
-      fold.memory_bytes = (sc_.zero.offload_optimizer ? 3.0 * g_ : 2.0 * g_ + 8) * params;
+      fold.memory_bytes = (sc_.zero.offload_optimizer ? 3.0 * g_ : fold_bytes_per_param(g_)) * params;
       fold.flops = params;
       fold.backward_only = true;
       ops.push_back(fold);
@@ -1482,7 +1460,7 @@ class Builder {
     if (sc_.zero.offload_optimizer) {
       Instruction h = make(Op::HostOptimizerStep, Stream::Host, Purpose::None);  // fp32 gradients on the host
       h.flops = shard * kAdamFlopsPerParam;
-      h.memory_bytes = shard * (host_step_bytes_per_param(g_) + norm_and_unscale_bytes_per_param(4, true));
+      h.memory_bytes = shard * host_step_bytes_per_param(g_, step_takes_norm());
       // ZeRO-Infinity: the fp32 master, momentum and variance swapped in from NVMe and back out
       // (12 bytes each way, Lion 8), and with parameters on NVMe the updated 16-bit shard written.
       const double states = sc_.optimizer.kind == OptimizerKind::lion ? 8.0 : 12.0;
@@ -1525,16 +1503,11 @@ class Builder {
       o.flops = shard * kAdamFlopsPerParam;
       // Stages 0-2 read the g-byte gradients in place unless an fp32 accumulator is kept (stage 3:
       // folded in backward, op_list; stages 0/1 with 1-bit Adam or MoE: folded at the step).
-      const bool fused = sc_.optimizer.fused_step;
-      const bool in_place = fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
-      const int r = in_place ? g_ : 4;
-      const double fold = zero_ == 3 ? 0.0 : fold_bytes_per_param(g_);  // (stage 3 folds in backward)
-      double step_bytes = 0;
-      if (onebit_) step_bytes = onebit_step_bytes_per_param(g_);
-      else if (!fused) step_bytes = fold + unfused_step_bytes_per_param(g_);
-      else step_bytes = fused_step_bytes_per_param(g_, r) + (in_place ? 0.0 : fold);
-      // (1-bit Adam's compressed step and the unfused one rescale the fp32 gradient in place.)
-      o.memory_bytes = shard * (step_bytes + norm_and_unscale_bytes_per_param(r, onebit_ || !fused));
+      DeviceStep step;
+      step.g = g_, step.zero_stage = zero_, step.fused = sc_.optimizer.fused_step, step.onebit = onebit_;
+      step.in_place = step.fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
+      step.norm = step_takes_norm();
+      o.memory_bytes = shard * device_step_bytes_per_param(step);
       updated = add(x, o, {x.last_reduce, emb});
     }
     if (zero_ == 1 || zero_ == 2) {  // all-gather the updated 16-bit shards
