@@ -16,6 +16,7 @@
 #include <sstream>
 #include <tuple>
 #include "backends/torch/optimizer_kernels.hpp"
+#include "backends/torch/stopwatch.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 #if defined(DSSIM_TORCH_CUDA)
@@ -28,8 +29,6 @@
 
 namespace dssim::tb {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 at::ScalarType scalar_type(Dtype d) {
   return d == Dtype::fp32 ? at::kFloat : d == Dtype::fp16 ? at::kHalf : at::kBFloat16;
@@ -273,8 +272,6 @@ std::string fmt(double v, const char* unit) {
   s << v << " " << unit;
   return s.str();
 }
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Per shape (m tokens, n out, k in) the three GEMMs of a linear layer, as PyTorch runs them:
 //   forward y[m x n] = x[m x k] W^T     at::mm_out(y, x, w.t())   (W row-major [n x k])

@@ -20,14 +20,12 @@
 #include "backends/torch/host_accumulator.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
 #include "backends/torch/pipeline.hpp"
+#include "backends/torch/stopwatch.hpp"
 #include "core/program.hpp"
 #include "core/scenario.hpp"
 #include "core/zero_partition.hpp"
 
 namespace dssim::tb {
-
-using Clock = std::chrono::steady_clock;
-inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // The parameter tensors in model order with their layer (module) for ZeRO-3 fetching: the
 // partition the Program's byte counts come from, applied here to real tensors.
