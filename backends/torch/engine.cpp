@@ -1061,6 +1061,9 @@ EngineResult Engine::run() {
     }
     loss_sum_ = at::Tensor();
     sync();
+    // DSSIM_KERNEL_TRACE=FILE: rank 0's last step as a kineto trace (CUDA builds).
+    static const char* trace_file = std::getenv("DSSIM_KERNEL_TRACE");
+    const bool tracing = trace_file != nullptr && *trace_file != '\0' && rank_ == 0 && step_ + 1 == o_.steps && kernel_trace_start();
     auto t0 = Clock::now();
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
@@ -1078,6 +1081,7 @@ EngineResult Engine::run() {
     }
     sync();
     const double dt = seconds_since(t0);
+    if (tracing) kernel_trace_stop(trace_file);
     step_ += 1;
     done += 1;
     // Mean loss over micro-batches and ranks (control traffic, not the Program's).

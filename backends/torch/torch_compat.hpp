@@ -7,6 +7,8 @@
 #include <c10/core/StorageImpl.h>
 #include <cmath>
 #include <mutex>
+#include <set>
+#include <string>
 
 #define DSSIM_TORCH_AT_LEAST(maj, min) \
   (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
@@ -19,6 +21,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #endif
 #if defined(DSSIM_HAVE_NCCL)
 #include <cuda_runtime.h>
@@ -38,6 +41,29 @@ inline cudaStream_t torch_current_stream(int device) {
 #endif
 }
 #endif
+
+// A kineto trace (CPU ops, CUDA kernels) of what runs between start and stop, written as Chrome
+// trace JSON (DSSIM_KERNEL_TRACE, engine.cpp). libtorch with CUDA only: elsewhere start returns
+// false and nothing is written.
+inline bool kernel_trace_start() {
+#if defined(DSSIM_TORCH_CUDA)
+  using torch::profiler::impl::ActivityType;
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  return true;
+#else
+  return false;
+#endif
+}
+inline void kernel_trace_stop(const std::string& path) {
+#if defined(DSSIM_TORCH_CUDA)
+  torch::autograd::profiler::disableProfiler()->save(path);
+#else
+  (void)path;
+#endif
+}
 
 // Waits for the device's queued work on every stream (step boundaries); a no-op on CPUs.
 inline void device_synchronize(const at::Device& d) {
