@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "backends/torch/fused_cross_entropy.hpp"
+#include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 namespace dssim::tb {
@@ -307,8 +308,71 @@ struct QkvAttention : torch::autograd::Function<QkvAttention> {
 };
 }  // namespace
 
+namespace {
+// The QKV projection and causal attention in one, on GPUs where the block's GEMMs run fused
+// (gemm_epilogues.hpp): q, k and v come from three GEMMs into one [3, B, S, a, d] tensor, so each
+// is dense and the attention kernels' dq, dk and dv come back dense in [B, S, a, d] as well (they
+// take their inputs' strides). The backward then multiplies them as they are: dy = dq Wq + dk Wk +
+// dv Wv accumulated by the GEMMs, and each third of the weight and bias gradient by one GEMM,
+// instead of first copying dq, dk and dv into one [B, S, 3, a, d] gradient (QkvAttention).
+struct QkvProjectionAttention : torch::autograd::Function<QkvProjectionAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& w,
+                            const at::Tensor& b, int64_t heads) {
+    const int64_t B = y.size(0), S = y.size(1), hl = w.size(0) / 3, d = hl / heads;
+    const auto y2 = y.reshape({B * S, y.size(2)});
+    auto qkv = at::empty({3, B * S, hl}, y.options());
+    for (int i = 0; i < 3; ++i) {
+      at::Tensor qkv_i = qkv[i];
+      at::addmm_out(qkv_i, b.narrow(0, i * hl, hl), y2, w.narrow(0, i * hl, hl).t());
+    }
+    at::AutoGradMode enable(true);  // the core's own graph, kept for backward (its saved tensors)
+    std::array<at::Tensor, 3> q;
+    for (int i = 0; i < 3; ++i) q[i] = qkv[i].view({B, S, heads, d}).transpose(1, 2).requires_grad_(true);
+    auto out = causal_attention(q[0], q[1], q[2]);
+    ctx->save_for_backward({y2, w});
+    ctx->saved_data["q"] = q[0];
+    ctx->saved_data["k"] = q[1];
+    ctx->saved_data["v"] = q[2];
+    ctx->saved_data["out"] = out;
+    ctx->saved_data["shape"] = y.sizes().vec();
+    return out.detach();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &y2 = saved[0], &w = saved[1];
+    const std::array<at::Tensor, 3> q{ctx->saved_data["q"].toTensor(), ctx->saved_data["k"].toTensor(),
+                                      ctx->saved_data["v"].toTensor()};
+    const auto out = ctx->saved_data["out"].toTensor();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    ctx->saved_data.clear();  // the core's graph goes with its saved tensors
+    auto g = torch::autograd::grad({out}, {q[0], q[1], q[2]}, {grad_out[0]});
+    const int64_t hl = w.size(0) / 3;
+    at::Tensor dy, dw, db;
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      dw = at::empty_like(w);
+      db = at::empty({3 * hl}, w.options());
+    }
+    for (int i = 0; i < 3; ++i) {
+      const auto dqi = g[i].transpose(1, 2).reshape({y2.size(0), hl});  // a view when dense
+      const auto wi = w.narrow(0, i * hl, hl);
+      if (ctx->needs_input_grad(0)) dy = i == 0 ? at::mm(dqi, wi) : dy.addmm_(dqi, wi);
+      if (dw.defined()) linear_weight_grads(dqi, y2, dw.narrow(0, i * hl, hl), db.narrow(0, i * hl, hl));
+    }
+    return {dy.defined() ? dy.view(shape) : dy, dw, db, at::Tensor()};
+  }
+};
+}  // namespace
+
 at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, bool recompute) {
   return QkvAttention::apply(qkv, heads, recompute);
+}
+
+at::Tensor qkv_projection_attention(const at::Tensor& y, const at::Tensor& w, const at::Tensor& b, int64_t heads,
+                                    bool recompute) {
+  if (!recompute && y.requires_grad() && gemm_epilogues_apply(y, w) && w.is_contiguous() && b.is_contiguous())
+    return QkvProjectionAttention::apply(y.contiguous(), w, b, heads);
+  return qkv_attention(biased_linear(y, w, b), heads, recompute);
 }
 
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,
@@ -320,17 +384,23 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
     const int64_t B = x.size(0), S = x.size(1);
     auto y = layer_norm(x, h, v[0], v[1]);
     // LoRA adapters (lora.hpp) follow the block's 12 tensors.
+    // Without an adapter the linears and the MLP run with their bias, GELU and bias gradients in
+    // the GEMMs where they can (gemm_epilogues.hpp).
+    const auto adapted = [&](LoraTarget t) { return c.ft.lora && c.ft.adapter_index(t) >= 0; };
     const auto lin = [&](LoraTarget t, const at::Tensor& in, int w) {
+      if (!adapted(t)) return biased_linear(in, v[w], v[w + 1]);
       return lora_add(c, v, 12, t, in, at::linear(in, v[w], v[w + 1]));
     };
-    auto core = qkv_attention(lin(LoraTarget::qkv, y, 2), a, recompute_attention);
+    auto core = adapted(LoraTarget::qkv) ? qkv_attention(lin(LoraTarget::qkv, y, 2), a, recompute_attention)
+                                         : qkv_projection_attention(y, v[2], v[3], a, recompute_attention);
     auto att = core.transpose(1, 2).reshape({B, S, h});
-    auto x1 = x + lin(LoraTarget::o, att, 4);
+    auto x1 = adapted(LoraTarget::o) ? x + lin(LoraTarget::o, att, 4) : biased_linear(att, v[4], v[5], x);
     auto y2 = layer_norm(x1, h, v[6], v[7]);
     if (moe) {
       for (auto& e : moe->experts) e = compute_view(e);
       return x1 + moe_mlp_forward(*moe, v[8], y2);
     }
+    if (!adapted(LoraTarget::mlp_up) && !adapted(LoraTarget::mlp_down)) return mlp(y2, v[8], v[9], v[10], v[11], x1);
     auto m = at::gelu(lin(LoraTarget::mlp_up, y2, 8), "tanh");
     return x1 + lin(LoraTarget::mlp_down, m, 10);
   }
@@ -339,7 +409,7 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
   // layers added after the reduction.
   auto y = enter_tp_region(tp, layer_norm(x, h, v[0], v[1]));
   const int64_t B = y.size(0), S = y.size(1);
-  auto core = qkv_attention(at::linear(y, v[2], v[3]), a, recompute_attention);
+  auto core = qkv_projection_attention(y, v[2], v[3], a, recompute_attention);
   auto att = core.transpose(1, 2).reshape({B, S, hl});
   auto x1 = x + (leave_tp_region(tp, at::linear(att, v[4])) + v[5]);
   if (moe) {  // whole tokens into the MoE layer (no f: it drops and gathers them itself, moe.hpp)
@@ -348,8 +418,7 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
     return x1 + moe_mlp_forward(*moe, v[8], layer_norm(x1, h, v[6], v[7]));
   }
   auto y2 = enter_tp_region(tp, layer_norm(x1, h, v[6], v[7]));
-  auto m = at::gelu(at::linear(y2, v[8], v[9]), "tanh");
-  return x1 + (leave_tp_region(tp, at::linear(m, v[10])) + v[11]);
+  return x1 + (leave_tp_region(tp, mlp(y2, v[8], v[9], v[10], at::Tensor())) + v[11]);
 }
 
 at::Tensor head_loss(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& final_norm,

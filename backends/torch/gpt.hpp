@@ -82,6 +82,10 @@ at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vect
 // [B, heads, S, d]; its backward writes the QKV gradient in one pass (gpt.cpp's QkvAttention).
 // `recompute`: only qkv is kept, the core is recomputed in backward.
 at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, bool recompute = false);
+// qkv_attention(y W^T + b): on GPUs where the block's GEMMs run fused (gemm_epilogues.hpp), as q, k
+// and v from three GEMMs whose gradients need no copy into one QKV gradient; otherwise exactly that.
+at::Tensor qkv_projection_attention(const at::Tensor& y, const at::Tensor& w, const at::Tensor& b, int64_t heads,
+                                    bool recompute);
 // recompute_attention: selective checkpointing, the attention core is recomputed in backward.
 // `moe`: a MoE layer's experts and routing context (its l_aux is left in moe->l_aux).
 at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vector<at::Tensor>& block,

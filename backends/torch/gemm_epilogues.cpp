@@ -1,0 +1,273 @@
+// The block's MLP and biased linears with bias, GELU and bias gradients in cuBLASLt epilogues
+// (gemm_epilogues.hpp says which GEMM does what).
+#include "backends/torch/gemm_epilogues.hpp"
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <utility>
+#include "backends/torch/torch_compat.hpp"
+
+#if defined(DSSIM_HAVE_CUBLASLT) && defined(DSSIM_TORCH_CUDA)
+#include "backends/torch/gemm_epilogue_cuda.hpp"
+#define DSSIM_FUSED_EPILOGUES 1
+#else
+#define DSSIM_FUSED_EPILOGUES 0
+#endif
+
+namespace dssim::tb {
+namespace {
+
+std::atomic<int64_t> fallbacks{0};
+
+// DSSIM_GEMM_EPILOGUES: unset = all; "0" = none; otherwise letters: f (forward bias + GELU),
+// g (backward GELU), b (weight-gradient GEMMs with the bias gradient).
+const std::string& epilogue_flags() {
+  static const std::string flags = [] {
+    const char* e = std::getenv("DSSIM_GEMM_EPILOGUES");
+    return e == nullptr ? std::string("fgb") : std::string(e);
+  }();
+  return flags;
+}
+bool turned_off() { return epilogue_flags() == "0"; }
+[[maybe_unused]] bool flag(char c) { return epilogue_flags().find(c) != std::string::npos; }
+
+at::Tensor unfused_mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                       const at::Tensor& b2) {
+  auto m = at::gelu(at::linear(x, w1, b1), "tanh");
+  return b2.defined() ? at::linear(m, w2, b2) : at::linear(m, w2);
+}
+
+// cuBLASLt's conditions, checked once per call: 16-bit, one type, dense rows whose length is a
+// multiple of 8 elements, 16-byte aligned starts.
+bool usable(std::initializer_list<const at::Tensor*> ts) {
+  if (!DSSIM_FUSED_EPILOGUES || turned_off()) return false;
+  const at::Tensor& first = **ts.begin();
+  if (!first.is_cuda() || (first.scalar_type() != at::kBFloat16 && first.scalar_type() != at::kHalf)) return false;
+  for (const at::Tensor* t : ts) {
+    if (!t->defined()) continue;
+    if (!t->is_cuda() || t->scalar_type() != first.scalar_type() || t->size(-1) % 8 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+#if DSSIM_FUSED_EPILOGUES
+namespace {
+
+using cuda::Epilogue;
+using cuda::LtGemm;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// C = op(X) op(Y) for row-major torch matrices (op transposes where the flag says so), written
+// as cuBLAS's column-major C^T = op(Y)^T op(X)^T: A is Y, B is X.
+LtGemm row_major(const at::Tensor& c, const at::Tensor& x, bool x_t, const at::Tensor& y, bool y_t) {
+  LtGemm g;
+  g.m = c.size(1);
+  g.n = c.size(0);
+  g.k = x_t ? x.size(0) : x.size(1);
+  g.a = y.data_ptr();
+  g.lda = y.size(1);
+  g.trans_a = y_t;
+  g.b = x.data_ptr();
+  g.ldb = x.size(1);
+  g.trans_b = x_t;
+  g.d = c.data_ptr();
+  g.ldd = c.size(1);
+  g.type = c.scalar_type() == at::kHalf ? cuda::DType::F16 : cuda::DType::BF16;
+  return g;
+}
+
+// cuBLASLt's scratch and libtorch's current stream, for the GEMMs of one forward or backward.
+struct Lt {
+  at::Tensor workspace;
+  void* stream;
+  explicit Lt(const at::Tensor& like)
+      : workspace(at::empty({static_cast<int64_t>(cuda::kLtWorkspaceBytes)}, like.options().dtype(at::kByte))),
+        stream(c10::cuda::getCurrentCUDAStream(like.device().index()).stream()) {}
+  bool operator()(const LtGemm& g) {
+    const bool on = g.epilogue == Epilogue::None                                        ? true
+                    : g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::Bias ? flag('f')
+                    : g.epilogue == Epilogue::DGelu                                     ? flag('g')
+                                                                                        : flag('b');
+    if (!on) return false;
+    if (cuda::lt_gemm(g, workspace.data_ptr(), workspace.numel(), stream)) return true;
+    if (fallbacks++ == 0)
+      std::cerr << "dssim: cuBLASLt has no kernel for epilogue " << int(g.epilogue) << " at m " << g.m << " n " << g.n
+                << " k " << g.k << "; that GEMM and its epilogue run as ATen's ops\n";
+    return false;
+  }
+};
+
+at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
+
+std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
+  auto s = t.sizes().vec();
+  s.back() = last;
+  return s;
+}
+
+// dW = dy^T x and, when `bias`, db = sum of dy over its rows, in one GEMM (BGRADB).
+std::pair<at::Tensor, at::Tensor> weight_grads(Lt& lt, const at::Tensor& dy, const at::Tensor& x, bool bias) {
+  if (!bias) return {at::mm(dy.t(), x), at::Tensor()};
+  auto dw = at::empty({dy.size(1), x.size(1)}, dy.options());
+  auto db = at::empty({dy.size(1)}, dy.options());
+  auto g = row_major(dw, dy, true, x, false);
+  g.epilogue = Epilogue::BGradB;
+  g.bias = db.data_ptr();
+  if (!lt(g)) return {at::mm(dy.t(), x), dy.sum(0)};
+  return {dw, db};
+}
+
+struct MlpFunction : public torch::autograd::Function<MlpFunction> {
+  // b2 and residual: empty tensors stand for none (an undefined one cannot go through apply).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& b1,
+                            const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& residual) {
+    const auto x = rows(x_in);
+    const int64_t T = x.size(0), f = w1.size(0), o = w2.size(0);
+    Lt lt(x);
+    auto pre = at::empty({T, f}, x.options()), m = at::empty({T, f}, x.options());
+    auto up = row_major(m, x, false, w1, true);
+    up.epilogue = Epilogue::GeluAuxBias;
+    up.bias = b1.data_ptr();
+    up.aux = pre.data_ptr();
+    up.ld_aux = f;
+    if (!lt(up)) {
+      at::addmm_out(pre, b1, x, w1.t());
+      m = at::gelu(pre, "tanh");
+    }
+    auto out = at::empty({T, o}, x.options());
+    const bool has_b2 = b2.numel() > 0, has_residual = residual.numel() > 0;
+    const auto r = has_residual ? rows(residual) : residual;
+    auto down = row_major(out, m, false, w2, true);
+    if (has_b2) {
+      down.epilogue = Epilogue::Bias;
+      down.bias = b2.data_ptr();
+    }
+    if (has_residual) {
+      down.c = r.data_ptr();
+      down.beta = 1;
+    }
+    if (!lt(down)) {
+      out = has_b2 ? at::addmm(b2, m, w2.t()) : at::mm(m, w2.t());
+      if (has_residual) out = r + out;
+    }
+    ctx->save_for_backward({x, w1, w2, pre, m});
+    ctx->saved_data["b2"] = has_b2;
+    ctx->saved_data["residual"] = has_residual;
+    ctx->saved_data["shape"] = x_in.sizes().vec();
+    return out.view(with_last(x_in, o));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w1 = s[1], &w2 = s[2], &pre = s[3], &m = s[4];
+    const auto dout = rows(grads[0]);
+    const int64_t T = x.size(0), f = w1.size(0);
+    Lt lt(dout);
+    auto dpre = at::empty({T, f}, dout.options());
+    auto g = row_major(dpre, dout, false, w2, false);
+    g.epilogue = Epilogue::DGelu;
+    g.aux = pre.data_ptr();
+    g.ld_aux = f;
+    if (!lt(g)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
+    at::Tensor dx, dw1, db1, dw2, db2;
+    if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
+      std::tie(dw2, db2) = weight_grads(lt, dout, m, ctx->saved_data["b2"].toBool());
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(lt, dpre, x, true);
+    if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(ctx->saved_data["shape"].toIntVector());
+    const at::Tensor dr = ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor();
+    return {dx, dw1, db1, dw2, ctx->saved_data["b2"].toBool() ? db2 : at::Tensor(), dr};
+  }
+};
+
+struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunction> {
+  // residual: an empty tensor stands for none.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& b,
+                            const at::Tensor& residual) {
+    const auto x = rows(x_in);
+    const bool has_residual = residual.numel() > 0;
+    at::Tensor out;
+    if (has_residual) {
+      const auto r = rows(residual);
+      out = at::empty({x.size(0), w.size(0)}, x.options());
+      Lt lt(x);
+      auto g = row_major(out, x, false, w, true);
+      g.epilogue = Epilogue::Bias;
+      g.bias = b.data_ptr();
+      g.c = r.data_ptr();
+      g.beta = 1;
+      if (!lt(g)) out = r + at::addmm(b, x, w.t());
+    } else {
+      out = at::addmm(b, x, w.t());  // ATen runs the bias in cuBLASLt's epilogue already
+    }
+    ctx->saved_data["residual"] = has_residual;
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["shape"] = x_in.sizes().vec();
+    return out.view(with_last(x_in, w.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1];
+    const auto dy = rows(grads[0]);
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      Lt lt(dy);
+      std::tie(dw, db) = weight_grads(lt, dy, x, true);
+    }
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(ctx->saved_data["shape"].toIntVector());
+    return {dx, dw, db, ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor()};
+  }
+};
+
+}  // namespace
+#endif
+
+bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w) { return usable({&x, &w}); }
+
+int64_t gemm_epilogue_fallbacks() { return fallbacks.load(); }
+
+void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
+#if DSSIM_FUSED_EPILOGUES
+  if (usable({&dy, &x, &dw, &db}) && dy.is_contiguous() && x.is_contiguous()) {
+    Lt lt(dy);
+    auto g = row_major(dw, dy, true, x, false);
+    g.epilogue = Epilogue::BGradB;
+    g.bias = db.data_ptr();
+    if (lt(g)) return;
+  }
+#endif
+  at::Tensor w_out = dw, b_out = db;  // handles onto the caller's storage
+  at::mm_out(w_out, dy.t(), x);
+  at::sum_out(b_out, dy, {0});
+}
+
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+               const at::Tensor& b2, const at::Tensor& residual) {
+#if DSSIM_FUSED_EPILOGUES
+  if (usable({&x, &w1, &b1, &w2, &b2, &residual}) && w1.is_contiguous() && w2.is_contiguous() && b1.is_contiguous() &&
+      (!b2.defined() || b2.is_contiguous())) {
+    const auto none = at::empty({0}, b1.options());
+    return MlpFunction::apply(x, w1, b1, w2, b2.defined() ? b2 : none, residual.defined() ? residual : none);
+  }
+#endif
+  auto out = unfused_mlp(x, w1, b1, w2, b2);
+  return residual.defined() ? residual + out : out;
+}
+
+at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual) {
+#if DSSIM_FUSED_EPILOGUES
+  if (usable({&x, &w, &b, &residual}) && w.is_contiguous() && b.is_contiguous())
+    return BiasedLinearFunction::apply(x, w, b, residual.defined() ? residual : at::empty({0}, b.options()));
+#endif
+  auto out = at::linear(x, w, b);
+  return residual.defined() ? residual + out : out;
+}
+
+}  // namespace dssim::tb

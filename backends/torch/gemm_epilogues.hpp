@@ -1,0 +1,38 @@
+// The block's linears with their bias, GELU and bias gradients fused into the GEMMs (issue 15).
+//
+// On CUDA with 16-bit tensors, where dssim is built with cuBLASLt (DSSIM_HAVE_CUBLASLT), the MLP
+// runs as four GEMMs and the biased linears' backward as two, each epilogue doing what ATen runs
+// as separate kernels (Megatron's and Transformer Engine's layout of the same idea):
+//   forward   pre = x W1^T + b1, m = gelu_tanh(pre)   one GEMM (GELU_AUX_BIAS: writes m and pre)
+//             out = m W2^T + b2 + residual            one GEMM (BIAS, beta 1)
+//   backward  dpre = (dout W2) * gelu'(pre)           one GEMM (DGELU)
+//             dW2 = dout^T m, db2 = sum(dout)         one GEMM (BGRADB)
+//             dW1 = dpre^T x, db1 = sum(dpre)         one GEMM (BGRADB)
+//             dx = dpre W1                            one GEMM
+// and for a biased linear's backward dW = dy^T x with db = sum(dy) in one GEMM (BGRADB). Saved
+// tensors are ATen's (x, pre, m), so memory is unchanged. Elsewhere (CPUs, fp32, libtorch 1.13,
+// no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the expressions they replace.
+// DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off (A/B measurements).
+#pragma once
+#include <torch/torch.h>
+
+namespace dssim::tb {
+
+// gelu_tanh(x W1^T + b1) W2^T, plus b2 when it is defined (tensor parallelism adds the row-parallel
+// layer's bias after the reduction instead), plus `residual` when it is defined (added by the GEMM).
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+               const at::Tensor& b2, const at::Tensor& residual = at::Tensor());
+// x W^T + b, plus `residual` when it is defined (added by the GEMM).
+at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const at::Tensor& residual = at::Tensor());
+// dw = dy^T x and db = the sum of dy's rows, written into dw and db (contiguous, views allowed):
+// one GEMM with the bias gradient in its epilogue where mlp would run fused, ATen's ops otherwise.
+void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
+// Whether mlp / biased_linear would run fused for these tensors (false where not built, on CPUs,
+// or when turned off).
+bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w);
+// GEMMs that cuBLASLt had no kernel for with their epilogue, run through ATen's ops instead (the
+// first one is reported on stderr).
+int64_t gemm_epilogue_fallbacks();
+
+}  // namespace dssim::tb

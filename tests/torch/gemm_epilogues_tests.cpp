@@ -1,0 +1,116 @@
+// backends/torch/gemm_epilogues.cpp: the block's MLP and biased linears. On a GPU built with
+// cuBLASLt, the fused GEMMs against an fp32 reference, next to ATen's own 16-bit ops; elsewhere,
+// ATen's expressions themselves.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include "backends/torch/gemm_epilogues.hpp"
+#include "backends/torch/gpt.hpp"
+// After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
+#include <catch2/catch.hpp>
+
+using namespace dssim::tb;
+
+namespace {
+double max_rel(const at::Tensor& a, const at::Tensor& ref) {
+  return (a.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
+         ref.to(at::kDouble).abs().max().item<double>();
+}
+
+struct Run {
+  std::vector<at::Tensor> values;  // output, then the gradient of every input that has one
+};
+
+// Three blocks' worth of the block's GEMMs, forward and backward with upstream gradient `up`, in
+// the inputs' type (inputs(): x, w1, b1, w2, b2, a residual of x's shape, one of the linear's output):
+//   mlp && bias2:   residual + MLP with b2 (the block without TP)
+//   mlp && !bias2:  the MLP without b2 (TP: the bias follows the reduction)
+//   !mlp && bias2:  residual + x w1^T + b1 (the attention projection)
+//   !mlp && !bias2: the QKV projection and attention of x w1^T + b1, 4 heads (w1 [3h, h])
+// `fused`: through gemm_epilogues / gpt.hpp; otherwise ATen's expressions written out here. Returns
+// the output, then the gradients of the inputs the case uses.
+Run run(const std::vector<at::Tensor>& in, const at::Tensor& up, bool is_mlp, bool bias2, bool fused) {
+  std::vector<at::Tensor> p;
+  for (const auto& t : in) p.push_back(t.detach().clone().requires_grad_(true));
+  at::Tensor out;
+  std::vector<int> used;
+  if (is_mlp && bias2) {
+    out = fused ? mlp(p[0], p[1], p[2], p[3], p[4], p[5])
+                : p[5] + at::linear(at::gelu(at::linear(p[0], p[1], p[2]), "tanh"), p[3], p[4]);
+    used = {0, 1, 2, 3, 4, 5};
+  } else if (is_mlp) {
+    out = fused ? mlp(p[0], p[1], p[2], p[3], at::Tensor()) : at::linear(at::gelu(at::linear(p[0], p[1], p[2]), "tanh"), p[3]);
+    used = {0, 1, 2, 3};
+  } else if (bias2) {
+    out = fused ? biased_linear(p[0], p[1], p[2], p[6]) : p[6] + at::linear(p[0], p[1], p[2]);
+    used = {0, 1, 2, 6};
+  } else {
+    out = fused ? qkv_projection_attention(p[0], p[1], p[2], 4, false) : qkv_attention(at::linear(p[0], p[1], p[2]), 4);
+    used = {0, 1, 2};
+  }
+  torch::autograd::backward({out}, {up});
+  Run r{{out.detach()}};
+  for (int i : used) r.values.push_back(p[i].grad());
+  return r;
+}
+
+// Inputs of a block-shaped MLP / linear: x [2, 48, h], w1 [f, h], b1 [f], w2 [h, f], b2 [h], and
+// residuals [2, 48, h], [2, 48, f].
+std::vector<at::Tensor> inputs(const at::Device& dev, at::ScalarType t, int64_t h, int64_t f) {
+  auto o = at::TensorOptions().device(dev);
+  return {at::randn({2, 48, h}, o).to(t),         (at::randn({f, h}, o) * 0.08).to(t), (at::randn({f}, o) * 0.3).to(t),
+          (at::randn({h, f}, o) * 0.05).to(t),  (at::randn({h}, o) * 0.3).to(t),     at::randn({2, 48, h}, o).to(t),
+          at::randn({2, 48, f}, o).to(t)};
+}
+}  // namespace
+
+TEST_CASE("block MLP and biased linear: ATen's expressions where not fused", "[epilogues]") {
+  torch::manual_seed(11);
+  const auto in = inputs(at::kCPU, at::kFloat, 16, 48);  // f = 3h: also the QKV projection's shape
+  REQUIRE_FALSE(gemm_epilogues_apply(in[0], in[1]));  // fp32 on the host never runs fused
+  for (bool is_mlp : {true, false})
+    for (bool bias2 : {true, false}) {
+      const int64_t o = is_mlp ? 16 : 48;
+      const auto up = !is_mlp && !bias2 ? at::randn({2, 4, 48, 4}) : at::randn({2, 48, o});
+      const Run a = run(in, up, is_mlp, bias2, true), b = run(in, up, is_mlp, bias2, false);
+      REQUIRE(a.values.size() == b.values.size());
+      for (size_t i = 0; i < a.values.size(); ++i) REQUIRE(at::equal(a.values[i], b.values[i]));
+    }
+}
+
+TEST_CASE("block MLP and biased linear on a GPU: cuBLASLt epilogues against fp32", "[epilogues]") {
+  const at::Device gpu(at::kCUDA, 0);
+  if (!torch::cuda::is_available() || !gemm_epilogues_apply(at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)),
+                                                             at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)))) {
+    WARN("no CUDA device or no cuBLASLt in this build: the fused epilogues' GPU test is skipped");
+    return;
+  }
+  torch::manual_seed(12);
+  double worst_fused = 0, worst_aten = 0;
+  for (auto type : {at::kBFloat16, at::kHalf})
+    for (bool is_mlp : {true, false})
+      for (bool bias2 : {true, false}) {
+        const bool qkv = !is_mlp && !bias2;
+        INFO(c10::toString(type) << (qkv ? " qkv + attention" : is_mlp ? " mlp" : " linear") << (bias2 ? " with b2" : ""));
+        const int64_t h = 64, f = qkv ? 3 * h : 256, o = is_mlp ? h : f;
+        const auto in = inputs(gpu, type, h, f);
+        const auto up = (qkv ? at::randn({2, 4, 48, 16}, at::TensorOptions().device(gpu))
+                             : at::randn({2, 48, o}, at::TensorOptions().device(gpu))).to(type);
+        std::vector<at::Tensor> in32;
+        for (const auto& t : in) in32.push_back(t.to(at::kFloat));
+        const Run ref = run(in32, up.to(at::kFloat), is_mlp, bias2, false);
+        const Run fused = run(in, up, is_mlp, bias2, true), aten = run(in, up, is_mlp, bias2, false);
+        REQUIRE(fused.values.size() == ref.values.size());
+        for (size_t i = 0; i < ref.values.size(); ++i) {
+          INFO("value " << i << " (0: output, then the inputs' gradients)");
+          const double ef = max_rel(fused.values[i], ref.values[i]), ea = max_rel(aten.values[i], ref.values[i]);
+          worst_fused = std::max(worst_fused, ef);
+          worst_aten = std::max(worst_aten, ea);
+          // 16-bit rounding: the fused GEMMs round once where ATen rounds between its kernels, so
+          // they are no further from fp32 than ATen's ops (a wrong layout or GELU is off by O(1)).
+          CHECK(ef <= std::max(2 * ea, 1e-2));
+        }
+      }
+  WARN("largest relative difference from fp32: fused " << worst_fused << ", ATen's 16-bit ops " << worst_aten);
+  REQUIRE(gemm_epilogue_fallbacks() == 0);
+}
