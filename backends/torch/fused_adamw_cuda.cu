@@ -4,6 +4,7 @@
 // AdamW arithmetic is that of torch.optim.AdamW(fused=True) (ATen's fused_adam_utils.cuh,
 // ADAMW mode: hyper-parameters in double, the tensors' values in float).
 #include "backends/torch/fused_adamw_cuda.hpp"
+#include "backends/torch/cuda_convert.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,16 +17,6 @@
 
 namespace dssim::tb::cuda {
 namespace {
-
-template <class T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-
-template <class T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
 struct Hyper {
   double lr, beta1, beta2, eps, weight_decay;

@@ -1,13 +1,45 @@
 #include "backends/torch/fused_cross_entropy.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <limits>
 
 #include "core/model.hpp"
+#include "backends/torch/torch_compat.hpp"
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+#include "backends/torch/cross_entropy_cuda.hpp"
+#endif
 
 namespace dssim::tb {
 
 std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, const at::Tensor& targets, double scale) {
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+  // On GPUs, one kernel (cross_entropy_cuda.cu): loss = logsumexp - the target's logit, the gradient
+  // written in the logits' type without an fp32 copy of the chunk.
+  // DSSIM_CE_KERNEL=0 in the environment keeps ATen's ops (A/B measurements).
+  static const bool kernel_off = [] {
+    const char* e = std::getenv("DSSIM_CE_KERNEL");
+    return e != nullptr && std::string(e) == "0";
+  }();
+  if (!kernel_off && logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == at::kLong) {
+    const auto st = logits.scalar_type();
+    cuda::CrossEntropyLaunch a;
+    a.type = st == at::kBFloat16 ? cuda::DType::BF16 : st == at::kHalf ? cuda::DType::F16 : cuda::DType::F32;
+    const auto t = targets.reshape({-1}).contiguous();
+    auto rows = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+    at::Tensor grad = scale != 0 ? at::empty_like(logits) : at::Tensor();
+    a.logits = logits.data_ptr();
+    a.grad = grad.defined() ? grad.data_ptr() : nullptr;
+    a.targets = t.data_ptr<int64_t>();
+    a.loss = rows.data_ptr<float>();
+    a.rows = logits.size(0);
+    a.vocab = logits.size(1);
+    a.scale = float(scale);
+    cuda::launch_cross_entropy(a, c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+    return {rows.sum(), grad};
+  }
+#endif
   // softmax of the logits into fp32: fp16 straight (half_to_float: one kernel, one read, one
   // write); bf16 through a cast first (PyTorch's softmax kernels convert from fp16 only).
   const auto dt = logits.scalar_type();

@@ -75,3 +75,39 @@ TEST_CASE("fused cross-entropy chunks: fp32 probabilities of one chunk within 1 
   CHECK(4.0 * double(c - 1) * V <= 1024.0 * 1024 * 1024);
   CHECK(4.0 * double(T) * V / double(chunks - 1) > 1024.0 * 1024 * 1024);  // one chunk fewer would not fit
 }
+
+// On a GPU built with dssim's CUDA kernels, cross_entropy_chunk is one kernel (cross_entropy_cuda.cu):
+// against log_softmax in double on the same logits, for each logits type, rows of a length that
+// takes the 16-byte loads (1024) and one that does not (1000). Skipped, with a warning, without a GPU.
+TEST_CASE("cross-entropy chunk on a GPU: the CUDA kernel against log_softmax in double", "[fused_ce]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: the cross-entropy kernel's GPU test is skipped");
+    return;
+  }
+  torch::manual_seed(9);
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  double worst_loss = 0, worst_grad = 0;
+  for (auto type : {at::kBFloat16, at::kHalf, at::kFloat})
+    for (int64_t V : {1024, 1000}) {
+      INFO(c10::toString(type) << " vocab " << V);
+      const int64_t n = 37;
+      const double scale = 1.0 / 91;
+      auto logits = (at::randn({n, V}, gpu) * 3).to(type);
+      auto t = at::randint(V, {n}, gpu.dtype(at::kLong));
+      auto [loss, grad] = cross_entropy_chunk(logits, t, scale);
+      auto ls = at::log_softmax(logits.to(at::kDouble), 1);
+      auto ref_loss = -ls.gather(1, t.reshape({-1, 1})).sum();
+      auto ref_grad = (ls.exp() - at::one_hot(t, V).to(at::kDouble)) * scale;
+      const double el = std::abs(loss.item<double>() - ref_loss.item<double>()) / ref_loss.item<double>();
+      const double eg = (grad.to(at::kDouble) - ref_grad).abs().max().item<double>() / ref_grad.abs().max().item<double>();
+      worst_loss = std::max(worst_loss, el);
+      worst_grad = std::max(worst_grad, eg);
+      CHECK(grad.scalar_type() == type);
+      CHECK(el <= 1e-5);
+      CHECK(eg <= (type == at::kFloat ? 1e-5 : type == at::kHalf ? 1e-3 : 8e-3));  // one rounding of the type
+      auto [loss_only, none] = cross_entropy_chunk(logits, t, 0.0);
+      CHECK_FALSE(none.defined());
+      CHECK(loss_only.item<double>() == loss.item<double>());
+    }
+  WARN("cross-entropy kernel against double: loss " << worst_loss << ", gradient " << worst_grad);
+}
