@@ -7,15 +7,15 @@
 
 namespace dssim {
 
-// The builder's per-stage plans (layer ranges, compute segments and their kernel lists, ZeRO
-// partitions and buckets), kept across the Programs of one search (dssim plan). They are keyed by
-// what of them differs between a search's points (parallel layout and partition, micro-batch
-// size, ZeRO stage, offload, recompute, checkpointing, LoRA rank), not by the micro-batch count
-// (the fast path's Programs of one configuration share them, and so do configurations that differ
-// only in the optimizer offload below ZeRO-3). The stages' partitions (chunks, tensors, ZeRO
-// partitions and buckets) are kept by fewer keys (not the micro-batch size, recompute, SP or
-// offload), and the segments cut from a copy. Use one cache only for scenarios that agree in
-// everything else (model, precision, ZeRO buckets, engine, cluster).
+// The builder's per-stage plans (core/stage_plan.hpp: layer ranges, compute segments and their
+// kernel lists, ZeRO partitions and buckets), kept across the Programs of one search (dssim plan).
+// They are keyed by what of them differs between a search's points (parallel layout and partition,
+// micro-batch size, ZeRO stage, offload, recompute, checkpointing, LoRA rank), not by the
+// micro-batch count (the fast path's Programs of one configuration share them, and so do
+// configurations that differ only in the optimizer offload below ZeRO-3). The stages' partitions
+// (chunks, tensors, ZeRO partitions and buckets) are kept by fewer keys (not the micro-batch size,
+// recompute, SP or offload), and the segments cut from a copy. Use one cache only for scenarios
+// that agree in everything else (model, precision, ZeRO buckets, engine, cluster).
 class StagePlanCache {
  public:
   StagePlanCache();
