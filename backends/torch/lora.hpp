@@ -2,7 +2,7 @@
 // parameters train, and the LoRA adapters, as Hugging Face PEFT's lora.Linear runs them.
 //
 // Adapters are parameters of the unit whose linear they adapt, appended after the unit's base
-// tensors in the order core/program_builder.cpp lays them out (layer_adapters: A [r, in] then
+// tensors in the order core/stage_plan.cpp lays them out (layer_adapters: A [r, in] then
 // B [out, r] per target, in the targets' order; the lm_head's after the final norm), so the ZeRO
 // partition the engine builds from unit_params is the Program's. Initialisation as PEFT's
 // reset_lora_parameters: A kaiming_uniform_(a = sqrt(5)) (U(-1/sqrt(in), 1/sqrt(in))), B zero,

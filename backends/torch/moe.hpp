@@ -127,7 +127,7 @@ struct MoeStats {
 at::Tensor moe_mlp_forward(MoeLayer& layer, const at::Tensor& gate_w, const at::Tensor& x);
 
 // The expert parameters of one pipeline stage, their gradients and optimizer states, partitioned
-// like the Program's expert partition (core/program_builder.cpp: per MoE layer, per local
+// like the Program's expert partition (core/stage_plan.cpp: per MoE layer, per local
 // expert, fc.w fc.b fc2.w fc2.b; ZeRO over the expert-data-parallel group).
 class ExpertStore {
  public:

@@ -23,7 +23,7 @@ at::Tensor sum_of_squares(const at::Tensor& t) {
 }  // namespace
 
 ZeroPartitionSpec partition_spec(const GptConfig& c, const ZeroSpec& z, int dp, const std::vector<int>& units) {
-  // As core/program_builder lays it out: the embedding belongs to layer 0, the final norm (and the
+  // As core/stage_plan lays it out: the embedding belongs to layer 0, the final norm (and the
   // last stage's copy of the tied embedding) to the last layer; stage 0 all-reduces the unpadded
   // buffer (one "rank", no alignment).
   // Fine-tuning (lora.hpp): stages 0-2 partition the trainable tensors only (the frozen ones stay
