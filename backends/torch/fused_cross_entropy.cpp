@@ -13,16 +13,24 @@
 
 namespace dssim::tb {
 
+bool cross_entropy_kernel_enabled() {
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+  // DSSIM_CE_KERNEL=0 in the environment keeps ATen's ops (A/B measurements).
+  static const bool on = [] {
+    const char* e = std::getenv("DSSIM_CE_KERNEL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
 std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, const at::Tensor& targets, double scale) {
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
   // On GPUs, one kernel (cross_entropy_cuda.cu): loss = logsumexp - the target's logit, the gradient
   // written in the logits' type without an fp32 copy of the chunk.
-  // DSSIM_CE_KERNEL=0 in the environment keeps ATen's ops (A/B measurements).
-  static const bool kernel_off = [] {
-    const char* e = std::getenv("DSSIM_CE_KERNEL");
-    return e != nullptr && std::string(e) == "0";
-  }();
-  if (!kernel_off && logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == at::kLong) {
+  if (cross_entropy_kernel_enabled() && logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == at::kLong) {
     const auto st = logits.scalar_type();
     cuda::CrossEntropyLaunch a;
     a.type = st == at::kBFloat16 ? cuda::DType::BF16 : st == at::kHalf ? cuda::DType::F16 : cuda::DType::F32;

@@ -22,5 +22,7 @@ at::Tensor fused_linear_cross_entropy(const at::Tensor& y, const at::Tensor& w, 
 // logits [c, V] and targets [c], the summed loss of the chunk (fp32 scalar) and the logits' gradient
 // (softmax - one-hot) * scale in the logits' dtype (undefined when scale is 0: the loss alone).
 std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, const at::Tensor& targets, double scale);
+// Whether cross_entropy_chunk runs dssim's CUDA kernel on GPUs (built with it, DSSIM_CE_KERNEL not 0).
+bool cross_entropy_kernel_enabled();
 
 }  // namespace dssim::tb

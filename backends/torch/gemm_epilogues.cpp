@@ -233,6 +233,11 @@ bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w) { return usa
 
 int64_t gemm_epilogue_fallbacks() { return fallbacks.load(); }
 
+std::string gemm_epilogues_mode() {
+  if (!DSSIM_FUSED_EPILOGUES) return "";
+  return turned_off() ? "off" : epilogue_flags();
+}
+
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
 #if DSSIM_FUSED_EPILOGUES
   if (usable({&dy, &x, &dw, &db}) && dy.is_contiguous() && x.is_contiguous()) {

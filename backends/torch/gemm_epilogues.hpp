@@ -14,6 +14,7 @@
 // no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the expressions they replace.
 // DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off (A/B measurements).
 #pragma once
+#include <string>
 #include <torch/torch.h>
 
 namespace dssim::tb {
@@ -31,6 +32,9 @@ void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Te
 // Whether mlp / biased_linear would run fused for these tensors (false where not built, on CPUs,
 // or when turned off).
 bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w);
+// What runs fused on GPUs, for the run's report: "" where this dssim has no cuBLASLt (or no CUDA
+// libtorch), "off" with DSSIM_GEMM_EPILOGUES=0, else its letters ("fgb" by default).
+std::string gemm_epilogues_mode();
 // GEMMs that cuBLASLt had no kernel for with their epilogue, run through ATen's ops instead (the
 // first one is reported on stderr).
 int64_t gemm_epilogue_fallbacks();

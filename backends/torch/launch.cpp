@@ -18,6 +18,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include "backends/torch/comm.hpp"
 #include "backends/torch/engine.hpp"
+#include "backends/torch/fused_cross_entropy.hpp"
+#include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/loss_scaler.hpp"
 #include "backends/torch/torch_compat.hpp"
 #include "core/program_builder.hpp"
@@ -121,6 +123,13 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
     measured["memory_timeline"] = tl;  // first measured step, per instruction (bytes)
   }
   measured["flash_attention"] = flash_attention_available();
+  // The fused GPU paths the run took (gemm_epilogues.hpp, cross_entropy_cuda.hpp): what a record
+  // of this run was measured with.
+  if (o.backend == "cuda") {
+    measured["gemm_epilogues"] = gemm_epilogues_mode().empty() ? "none" : gemm_epilogues_mode();
+    measured["gemm_epilogue_fallbacks"] = gemm_epilogue_fallbacks();
+    measured["cross_entropy_kernel"] = cross_entropy_kernel_enabled();
+  }
   measured["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   r.extras["measured"] = measured;
   return r;
@@ -147,6 +156,10 @@ std::string text_extras(const Report& r) {
                   k.find("/none") != std::string::npos ? "  (control: norm / loss)" : "");
     s << buf;
   }
+  if (m.contains("gemm_epilogues"))
+    s << "  fused GPU kernels: GEMM epilogues " << m["gemm_epilogues"].get<std::string>() << " ("
+      << m["gemm_epilogue_fallbacks"].get<int64_t>() << " fallbacks), cross-entropy kernel "
+      << (m["cross_entropy_kernel"].get<bool>() ? "on" : "off") << "\n";
   s << "  memory (bytes): ";
   for (auto it = m["memory_bytes"].begin(); it != m["memory_bytes"].end(); ++it)
     s << it.key() << "=" << std::llround(it.value().get<double>()) << " ";
