@@ -21,6 +21,7 @@
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
+#include "backends/torch/param_dump.hpp"
 #include "core/program_builder.hpp"
 #include "backends/torch/pipeline.hpp"
 #include "backends/torch/tensor_parallel.hpp"
@@ -537,39 +538,6 @@ class Engine {
     out.seed = moe_layer_seed(sc_.training.seed, step_, global_mb, l);
     return &out;
   }
-  // Rank 0 puts every MoE layer's experts together, layer by layer, expert by expert (the one-rank
-  // layout): the members of each stage's first expert-parallel group (expert-data-parallel rank 0,
-  // core/grid.hpp) send their own.
-  at::Tensor assemble_experts() {
-    constexpr int kTag = (1 << 30) + 1;
-    const at::Tensor mine = experts_->full_master().to(at::kCPU);  // every rank: stages 1/2 all-gather
-    if (rank_ != 0) {
-      if (coord_.edp == 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
-      return {};
-    }
-    const int local = experts_->local_experts();
-    const int64_t per = expert_numel(sc_.model);
-    std::map<std::pair<int, int>, at::Tensor> pieces;  // (layer, global expert)
-    for (int s = 0; s < sc_.parallel.pp; ++s)
-      for (int j = 0; j < sc_.parallel.ep; ++j) {
-        const int r = grid_.group_of(GroupKind::EP, grid_.rank_of(0, s, 0)).at(j);
-        std::vector<int> layers;
-        for (int u : stage_layout(cfg_, program_.ranks.at(r), sc_.parallel.pp).units)
-          if (u >= 1 && u <= cfg_.layers && cfg_.moe_layer(u - 1)) layers.push_back(u - 1);
-        at::Tensor flat = mine;
-        if (r != 0) {
-          flat = at::empty({int64_t(layers.size()) * local * per}, mine.options());
-          world_.recv(flat, r, kTag, Purpose::None)->wait();
-        }
-        for (size_t li = 0; li < layers.size(); ++li)
-          for (int e = 0; e < local; ++e)
-            pieces[{layers[li], j * local + e}] = flat.narrow(0, (int64_t(li) * local + e) * per, per);
-      }
-    std::vector<at::Tensor> out;
-    for (auto& [k, t] : pieces) out.push_back(t);
-    return at::cat(out);
-  }
-
   // ---- 1-bit Adam (backends/torch/onebit_adam.hpp) -------------------------------------------
   // The warm-up steps run the Program of a step before freeze_step (gradient all-reduce, AdamW),
   // the others the compressed one (no gradient reduction; the OneBit instructions, then the step).
@@ -764,18 +732,19 @@ class Engine {
     zero_->regather_params();
   }
 
+  // --dump-params (param_dump.hpp): the whole model in fp32, a single-rank run's layout.
   void dump_params() {
     if (cfg_.ft.active) return dump_finetuned_params();
     at::NoGradGuard ng;
+    const DumpWorld w{sc_, program_, grid_, cfg_, world_, rank_, coord_};
     at::Tensor full = zero_->full_master();
-    if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) full = assemble_whole_model(full);
+    if (sc_.parallel.tp > 1 || sc_.parallel.pp > 1) full = assemble_whole_model(w, full);
     if (experts_) {
-      const at::Tensor all_experts = assemble_experts();
+      // Every rank gathers its own experts (stages 1/2 all-gather), rank 0 collects them.
+      const at::Tensor all_experts = assemble_experts(w, experts_->full_master().to(at::kCPU), experts_->local_experts());
       if (rank_ == 0) full = at::cat({full, all_experts});
     }
-    if (rank_ != 0) return;
-    std::ofstream out(o_.dump_params, std::ios::binary | std::ios::trunc);
-    out.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
+    if (rank_ == 0) write_fp32(o_.dump_params, full);
   }
 
   // Fine-tuning (tp = pp = 1): the whole base model in fp32, laid out as a run without fine-tuning
@@ -792,46 +761,7 @@ class Engine {
         for (int i = 0; i < int(units[u].size()); ++i)
           if ((i >= nb) == (pass == 1)) out.push_back(units[u][i].reshape({-1}));
       }
-    const at::Tensor full = at::cat(out).contiguous();
-    std::ofstream f(o_.dump_params, std::ios::binary | std::ios::trunc);
-    f.write(static_cast<const char*>(full.data_ptr()), full.numel() * 4);
-  }
-
-  // Rank 0 puts the whole model together from the data-parallel rank 0 of every (stage, TP rank),
-  // unsliced to the tp = 1 shapes, in the one-stage order (embedding, blocks, final norm): the
-  // layout of a single-rank run's dump. Other ranks return an empty tensor.
-  at::Tensor assemble_whole_model(const at::Tensor& mine) {
-    constexpr int kTag = 1 << 30;
-    if (coord_.dp == 0 && rank_ != 0) world_.send(mine, 0, kTag, Purpose::None)->wait();
-    if (rank_ != 0) return {};
-    std::map<std::pair<int, int>, std::vector<at::Tensor>> pieces;  // (unit, parameter) -> by TP rank
-    for (int s = 0; s < sc_.parallel.pp; ++s)
-      for (int t = 0; t < sc_.parallel.tp; ++t) {
-        const int r = grid_.rank_of(0, s, t);
-        const StageLayout lay = stage_layout(cfg_, program_.ranks.at(r), sc_.parallel.pp);
-        int64_t n = 0;
-        for (int u : lay.units) n += unit_numel(cfg_, u);
-        at::Tensor flat = mine;
-        if (r != 0) {
-          flat = at::empty({n}, mine.options());
-          world_.recv(flat, r, kTag, Purpose::None)->wait();
-        }
-        int64_t off = 0;
-        for (int u : lay.units) {
-          auto views = unit_views(cfg_, u, flat.narrow(0, off, unit_numel(cfg_, u)));
-          for (size_t i = 0; i < views.size(); ++i) {
-            auto& v = pieces[{u, int(i)}];
-            v.resize(sc_.parallel.tp);
-            v[t] = views[i];
-          }
-          off += unit_numel(cfg_, u);
-        }
-      }
-    std::vector<at::Tensor> out;
-    for (int u = 0; u <= cfg_.final_unit(); ++u)
-      for (int i = 0; i < int(unit_params(cfg_, u).size()); ++i)
-        out.push_back(tp_unslice(cfg_, u, i, pieces.at({u, i})).reshape({-1}));
-    return at::cat(out);
+    write_fp32(o_.dump_params, at::cat(out));
   }
 
   // Every rank's bytes per (op, purpose) over the measured steps are its Program's (the report
