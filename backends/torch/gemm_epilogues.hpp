@@ -9,10 +9,12 @@
 //             dW2 = dout^T m, db2 = sum(dout)         one GEMM (BGRADB)
 //             dW1 = dpre^T x, db1 = sum(dpre)         one GEMM (BGRADB)
 //             dx = dpre W1                            one GEMM
-// and for a biased linear's backward dW = dy^T x with db = sum(dy) in one GEMM (BGRADB). Saved
-// tensors are ATen's (x, pre, m), so memory is unchanged. Elsewhere (CPUs, fp32, libtorch 1.13,
-// no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the expressions they replace.
-// DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off (A/B measurements).
+// and for a biased linear's backward dW = dy^T x with db = sum(dy) in one call (BGRADB; on an H100
+// cuBLASLt runs that sum as a kernel of its own, as fast as ATen's, so BGRADB saves launches, not
+// bytes). Saved tensors are ATen's (x, pre, m), so memory is unchanged. Elsewhere (CPUs, fp32,
+// libtorch 1.13, no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the
+// expressions they replace. DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off, its
+// letters pick parts (f forward, g GELU backward, b bias gradients): A/B measurements.
 #pragma once
 #include <string>
 #include <torch/torch.h>
