@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 #include "backends/torch/checkpoint.hpp"
+#include "backends/torch/env.hpp"
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
@@ -992,8 +993,8 @@ EngineResult Engine::run() {
     loss_sum_ = at::Tensor();
     sync();
     // DSSIM_KERNEL_TRACE=FILE: rank 0's last step as a kineto trace (CUDA builds).
-    static const char* trace_file = std::getenv("DSSIM_KERNEL_TRACE");
-    const bool tracing = trace_file != nullptr && *trace_file != '\0' && rank_ == 0 && step_ + 1 == o_.steps && kernel_trace_start();
+    static const std::string trace_file = env_str("DSSIM_KERNEL_TRACE", "");
+    const bool tracing = !trace_file.empty() && rank_ == 0 && step_ + 1 == o_.steps && kernel_trace_start();
     auto t0 = Clock::now();
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;

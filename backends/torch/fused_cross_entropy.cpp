@@ -1,11 +1,10 @@
 #include "backends/torch/fused_cross_entropy.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <limits>
 
 #include "core/model.hpp"
+#include "backends/torch/env.hpp"
 #include "backends/torch/torch_compat.hpp"
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
 #include "backends/torch/cross_entropy_cuda.hpp"
@@ -15,11 +14,7 @@ namespace dssim::tb {
 
 bool cross_entropy_kernel_enabled() {
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
-  // DSSIM_CE_KERNEL=0 in the environment keeps ATen's ops (A/B measurements).
-  static const bool on = [] {
-    const char* e = std::getenv("DSSIM_CE_KERNEL");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool on = env_str("DSSIM_CE_KERNEL", "1") != "0";  // 0: ATen's ops (A/B measurements)
   return on;
 #else
   return false;

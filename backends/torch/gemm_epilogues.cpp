@@ -4,10 +4,10 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <utility>
+#include "backends/torch/env.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 #if defined(DSSIM_HAVE_CUBLASLT) && defined(DSSIM_TORCH_CUDA)
@@ -25,14 +25,10 @@ std::atomic<int64_t> fallbacks{0};
 // DSSIM_GEMM_EPILOGUES: unset = all; "0" = none; otherwise letters: f (forward bias + GELU),
 // g (backward GELU), b (weight-gradient GEMMs with the bias gradient).
 const std::string& epilogue_flags() {
-  static const std::string flags = [] {
-    const char* e = std::getenv("DSSIM_GEMM_EPILOGUES");
-    return e == nullptr ? std::string("fgb") : std::string(e);
-  }();
+  static const std::string flags = env_str("DSSIM_GEMM_EPILOGUES", "fgb");
   return flags;
 }
 bool turned_off() { return epilogue_flags() == "0"; }
-[[maybe_unused]] bool flag(char c) { return epilogue_flags().find(c) != std::string::npos; }
 
 at::Tensor unfused_mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                        const at::Tensor& b2) {
@@ -40,15 +36,16 @@ at::Tensor unfused_mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tens
   return b2.defined() ? at::linear(m, w2, b2) : at::linear(m, w2);
 }
 
-// cuBLASLt's conditions, checked once per call: 16-bit, one type, dense rows whose length is a
-// multiple of 8 elements, 16-byte aligned starts.
+// cuBLASLt's conditions, checked once per call: 16-bit, one type, contiguous, rows whose length
+// is a multiple of 8 elements, 16-byte aligned starts (undefined tensors are skipped).
 bool usable(std::initializer_list<const at::Tensor*> ts) {
   if (!DSSIM_FUSED_EPILOGUES || turned_off()) return false;
   const at::Tensor& first = **ts.begin();
   if (!first.is_cuda() || (first.scalar_type() != at::kBFloat16 && first.scalar_type() != at::kHalf)) return false;
   for (const at::Tensor* t : ts) {
     if (!t->defined()) continue;
-    if (!t->is_cuda() || t->scalar_type() != first.scalar_type() || t->size(-1) % 8 != 0) return false;
+    if (!t->is_cuda() || t->scalar_type() != first.scalar_type() || !t->is_contiguous() || t->size(-1) % 8 != 0)
+      return false;
     if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
   }
   return true;
@@ -63,6 +60,19 @@ using cuda::Epilogue;
 using cuda::LtGemm;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// Whether DSSIM_GEMM_EPILOGUES lets this epilogue run (its letter, above).
+bool enabled(Epilogue e) {
+  char letter = 'b';
+  switch (e) {
+    case Epilogue::None: return true;
+    case Epilogue::Bias:
+    case Epilogue::GeluAuxBias: letter = 'f'; break;
+    case Epilogue::DGelu: letter = 'g'; break;
+    case Epilogue::BGradB: letter = 'b'; break;
+  }
+  return epilogue_flags().find(letter) != std::string::npos;
+}
 
 // C = op(X) op(Y) for row-major torch matrices (op transposes where the flag says so), written
 // as cuBLAS's column-major C^T = op(Y)^T op(X)^T: A is Y, B is X.
@@ -91,11 +101,7 @@ struct Lt {
       : workspace(at::empty({static_cast<int64_t>(cuda::kLtWorkspaceBytes)}, like.options().dtype(at::kByte))),
         stream(c10::cuda::getCurrentCUDAStream(like.device().index()).stream()) {}
   bool operator()(const LtGemm& g) {
-    const bool on = g.epilogue == Epilogue::None                                        ? true
-                    : g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::Bias ? flag('f')
-                    : g.epilogue == Epilogue::DGelu                                     ? flag('g')
-                                                                                        : flag('b');
-    if (!on) return false;
+    if (!enabled(g.epilogue)) return false;
     if (cuda::lt_gemm(g, workspace.data_ptr(), workspace.numel(), stream)) return true;
     if (fallbacks++ == 0)
       std::cerr << "dssim: cuBLASLt has no kernel for epilogue " << int(g.epilogue) << " at m " << g.m << " n " << g.n
@@ -112,15 +118,22 @@ std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   return s;
 }
 
-// dW = dy^T x and, when `bias`, db = sum of dy over its rows, in one GEMM (BGRADB).
+// dw = dy^T x and db = sum of dy over its rows, into dw and db: one GEMM (BGRADB), or ATen's ops.
+void weight_grads_into(Lt& lt, const at::Tensor& dy, const at::Tensor& x, at::Tensor dw, at::Tensor db) {
+  auto g = row_major(dw, dy, true, x, false);
+  g.epilogue = Epilogue::BGradB;
+  g.bias = db.data_ptr();
+  if (lt(g)) return;
+  at::mm_out(dw, dy.t(), x);
+  at::sum_out(db, dy, {0});
+}
+
+// dW = dy^T x and, when `bias`, db = sum of dy over its rows.
 std::pair<at::Tensor, at::Tensor> weight_grads(Lt& lt, const at::Tensor& dy, const at::Tensor& x, bool bias) {
   if (!bias) return {at::mm(dy.t(), x), at::Tensor()};
   auto dw = at::empty({dy.size(1), x.size(1)}, dy.options());
   auto db = at::empty({dy.size(1)}, dy.options());
-  auto g = row_major(dw, dy, true, x, false);
-  g.epilogue = Epilogue::BGradB;
-  g.bias = db.data_ptr();
-  if (!lt(g)) return {at::mm(dy.t(), x), dy.sum(0)};
+  weight_grads_into(lt, dy, x, dw, db);
   return {dw, db};
 }
 
@@ -160,7 +173,6 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     ctx->save_for_backward({x, w1, w2, pre, m});
     ctx->saved_data["b2"] = has_b2;
     ctx->saved_data["residual"] = has_residual;
-    ctx->saved_data["shape"] = x_in.sizes().vec();
     return out.view(with_last(x_in, o));
   }
 
@@ -180,7 +192,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
       std::tie(dw2, db2) = weight_grads(lt, dout, m, ctx->saved_data["b2"].toBool());
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(lt, dpre, x, true);
-    if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(ctx->saved_data["shape"].toIntVector());
+    if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(with_last(grads[0], x.size(1)));
     const at::Tensor dr = ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor();
     return {dx, dw1, db1, dw2, ctx->saved_data["b2"].toBool() ? db2 : at::Tensor(), dr};
   }
@@ -208,7 +220,6 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
     }
     ctx->saved_data["residual"] = has_residual;
     ctx->save_for_backward({x, w});
-    ctx->saved_data["shape"] = x_in.sizes().vec();
     return out.view(with_last(x_in, w.size(0)));
   }
 
@@ -221,7 +232,7 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
       Lt lt(dy);
       std::tie(dw, db) = weight_grads(lt, dy, x, true);
     }
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(ctx->saved_data["shape"].toIntVector());
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(with_last(grads[0], x.size(1)));
     return {dx, dw, db, ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor()};
   }
 };
@@ -229,7 +240,9 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
 }  // namespace
 #endif
 
-bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w) { return usable({&x, &w}); }
+bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return usable({&x, &w, &b});
+}
 
 int64_t gemm_epilogue_fallbacks() { return fallbacks.load(); }
 
@@ -240,12 +253,9 @@ std::string gemm_epilogues_mode() {
 
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
 #if DSSIM_FUSED_EPILOGUES
-  if (usable({&dy, &x, &dw, &db}) && dy.is_contiguous() && x.is_contiguous()) {
+  if (usable({&dy, &x, &dw, &db})) {
     Lt lt(dy);
-    auto g = row_major(dw, dy, true, x, false);
-    g.epilogue = Epilogue::BGradB;
-    g.bias = db.data_ptr();
-    if (lt(g)) return;
+    return weight_grads_into(lt, dy, x, dw, db);
   }
 #endif
   at::Tensor w_out = dw, b_out = db;  // handles onto the caller's storage
@@ -256,8 +266,7 @@ void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Te
 at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                const at::Tensor& b2, const at::Tensor& residual) {
 #if DSSIM_FUSED_EPILOGUES
-  if (usable({&x, &w1, &b1, &w2, &b2, &residual}) && w1.is_contiguous() && w2.is_contiguous() && b1.is_contiguous() &&
-      (!b2.defined() || b2.is_contiguous())) {
+  if (usable({&x, &w1, &b1, &w2, &b2, &residual})) {
     const auto none = at::empty({0}, b1.options());
     return MlpFunction::apply(x, w1, b1, w2, b2.defined() ? b2 : none, residual.defined() ? residual : none);
   }
@@ -268,7 +277,7 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, 
 
 at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual) {
 #if DSSIM_FUSED_EPILOGUES
-  if (usable({&x, &w, &b, &residual}) && w.is_contiguous() && b.is_contiguous())
+  if (usable({&x, &w, &b, &residual}))
     return BiasedLinearFunction::apply(x, w, b, residual.defined() ? residual : at::empty({0}, b.options()));
 #endif
   auto out = at::linear(x, w, b);

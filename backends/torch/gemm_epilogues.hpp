@@ -33,7 +33,7 @@ at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
 // Whether mlp / biased_linear would run fused for these tensors (false where not built, on CPUs,
 // or when turned off).
-bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w);
+bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = at::Tensor());
 // What runs fused on GPUs, for the run's report: "" where this dssim has no cuBLASLt (or no CUDA
 // libtorch), "off" with DSSIM_GEMM_EPILOGUES=0, else its letters ("fgb" by default).
 std::string gemm_epilogues_mode();

@@ -251,6 +251,23 @@ at::Tensor embed_forward(const GptConfig& c, TensorParallel& tp, const std::vect
 }
 
 namespace {
+// The attention core's own autograd graph, kept across a Function's forward and backward: q, k, v
+// (leaves with grad) and the core's output go into the context; core_grads takes them out again
+// (the graph goes with them) and returns dq, dk, dv.
+void save_core(torch::autograd::AutogradContext* ctx, const std::array<at::Tensor, 3>& q, const at::Tensor& out) {
+  ctx->saved_data["q"] = q[0];
+  ctx->saved_data["k"] = q[1];
+  ctx->saved_data["v"] = q[2];
+  ctx->saved_data["out"] = out;
+}
+std::vector<at::Tensor> core_grads(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_out) {
+  const std::array<at::Tensor, 3> q{ctx->saved_data["q"].toTensor(), ctx->saved_data["k"].toTensor(),
+                                    ctx->saved_data["v"].toTensor()};
+  const at::Tensor out = ctx->saved_data["out"].toTensor();
+  ctx->saved_data.clear();
+  return torch::autograd::grad({out}, {q[0], q[1], q[2]}, {grad_out});
+}
+
 // Causal attention over q, k, v read from the QKV projection's output [B, S, 3 x a x d]. Autograd's
 // own path (view, permute, unbind) assembles the QKV gradient with two full copies: unbind's
 // backward stacks dq, dk, dv into [3, B, a, S, d], and the permute / view backward makes that
@@ -279,27 +296,18 @@ struct QkvAttention : torch::autograd::Function<QkvAttention> {
     at::AutoGradMode enable(true);  // the core's own graph, kept for backward (its saved tensors)
     auto q = split(qkv, heads, true);
     auto out = causal_attention(q[0], q[1], q[2]);
-    ctx->saved_data["q"] = q[0];
-    ctx->saved_data["k"] = q[1];
-    ctx->saved_data["v"] = q[2];
-    ctx->saved_data["out"] = out;
+    save_core(ctx, q, out);
     return out.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const int64_t heads = ctx->saved_data["heads"].toInt();
-    std::array<at::Tensor, 3> q;
-    at::Tensor out;
     if (ctx->saved_data["recompute"].toBool()) {
       at::AutoGradMode enable(true);
-      q = split(ctx->get_saved_variables()[0], heads, true);
-      out = causal_attention(q[0], q[1], q[2]);
-    } else {
-      q = {ctx->saved_data["q"].toTensor(), ctx->saved_data["k"].toTensor(), ctx->saved_data["v"].toTensor()};
-      out = ctx->saved_data["out"].toTensor();
+      auto q = split(ctx->get_saved_variables()[0], heads, true);
+      save_core(ctx, q, causal_attention(q[0], q[1], q[2]));
     }
-    ctx->saved_data.clear();  // the core's graph goes with its saved tensors
-    auto g = torch::autograd::grad({out}, {q[0], q[1], q[2]}, {grad_out[0]});
+    auto g = core_grads(ctx, grad_out[0]);
     const int64_t B = g[0].size(0), S = g[0].size(2), d = g[0].size(3);
     auto dqkv = at::empty({B, S, 3, heads, d}, g[0].options());
     for (int i = 0; i < 3; ++i) dqkv.select(2, i).copy_(g[i].transpose(1, 2));
@@ -330,23 +338,14 @@ struct QkvProjectionAttention : torch::autograd::Function<QkvProjectionAttention
     for (int i = 0; i < 3; ++i) q[i] = qkv[i].view({B, S, heads, d}).transpose(1, 2).requires_grad_(true);
     auto out = causal_attention(q[0], q[1], q[2]);
     ctx->save_for_backward({y2, w});
-    ctx->saved_data["q"] = q[0];
-    ctx->saved_data["k"] = q[1];
-    ctx->saved_data["v"] = q[2];
-    ctx->saved_data["out"] = out;
-    ctx->saved_data["shape"] = y.sizes().vec();
+    save_core(ctx, q, out);
     return out.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &y2 = saved[0], &w = saved[1];
-    const std::array<at::Tensor, 3> q{ctx->saved_data["q"].toTensor(), ctx->saved_data["k"].toTensor(),
-                                      ctx->saved_data["v"].toTensor()};
-    const auto out = ctx->saved_data["out"].toTensor();
-    const auto shape = ctx->saved_data["shape"].toIntVector();
-    ctx->saved_data.clear();  // the core's graph goes with its saved tensors
-    auto g = torch::autograd::grad({out}, {q[0], q[1], q[2]}, {grad_out[0]});
+    auto g = core_grads(ctx, grad_out[0]);
     const int64_t hl = w.size(0) / 3;
     at::Tensor dy, dw, db;
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
@@ -359,7 +358,8 @@ struct QkvProjectionAttention : torch::autograd::Function<QkvProjectionAttention
       if (ctx->needs_input_grad(0)) dy = i == 0 ? at::mm(dqi, wi) : dy.addmm_(dqi, wi);
       if (dw.defined()) linear_weight_grads(dqi, y2, dw.narrow(0, i * hl, hl), db.narrow(0, i * hl, hl));
     }
-    return {dy.defined() ? dy.view(shape) : dy, dw, db, at::Tensor()};
+    // y was [B, S, h]; the core's gradients are [B, a, S, d].
+    return {dy.defined() ? dy.view({g[0].size(0), g[0].size(2), w.size(1)}) : dy, dw, db, at::Tensor()};
   }
 };
 }  // namespace
@@ -370,8 +370,8 @@ at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, bool recompute) {
 
 at::Tensor qkv_projection_attention(const at::Tensor& y, const at::Tensor& w, const at::Tensor& b, int64_t heads,
                                     bool recompute) {
-  if (!recompute && y.requires_grad() && gemm_epilogues_apply(y, w) && w.is_contiguous() && b.is_contiguous())
-    return QkvProjectionAttention::apply(y.contiguous(), w, b, heads);
+  if (!recompute && y.requires_grad() && gemm_epilogues_apply(y, w, b))
+    return QkvProjectionAttention::apply(y, w, b, heads);
   return qkv_attention(biased_linear(y, w, b), heads, recompute);
 }
 

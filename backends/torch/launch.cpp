@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include "backends/torch/comm.hpp"
 #include "backends/torch/engine.hpp"
+#include "backends/torch/env.hpp"
 #include "backends/torch/fused_cross_entropy.hpp"
 #include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/loss_scaler.hpp"
@@ -28,15 +29,6 @@
 
 namespace dssim::tb {
 namespace {
-
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
-std::string env_str(const char* name, const std::string& dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::string(v) : dflt;
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -126,7 +118,8 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   // The fused GPU paths the run took (gemm_epilogues.hpp, cross_entropy_cuda.hpp): what a record
   // of this run was measured with.
   if (o.backend == "cuda") {
-    measured["gemm_epilogues"] = gemm_epilogues_mode().empty() ? "none" : gemm_epilogues_mode();
+    const std::string epilogues = gemm_epilogues_mode();
+    measured["gemm_epilogues"] = epilogues.empty() ? "none" : epilogues;
     measured["gemm_epilogue_fallbacks"] = gemm_epilogue_fallbacks();
     measured["cross_entropy_kernel"] = cross_entropy_kernel_enabled();
   }
