@@ -5,6 +5,8 @@
 #include <atomic>
 #include <cstdint>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 #include "backends/torch/env.hpp"
@@ -93,22 +95,28 @@ LtGemm row_major(const at::Tensor& c, const at::Tensor& x, bool x_t, const at::T
   return g;
 }
 
-// cuBLASLt's scratch and libtorch's current stream, for the GEMMs of one forward or backward.
-struct Lt {
-  at::Tensor workspace;
-  void* stream;
-  explicit Lt(const at::Tensor& like)
-      : workspace(at::empty({static_cast<int64_t>(cuda::kLtWorkspaceBytes)}, like.options().dtype(at::kByte))),
-        stream(c10::cuda::getCurrentCUDAStream(like.device().index()).stream()) {}
-  bool operator()(const LtGemm& g) {
-    if (!enabled(g.epilogue)) return false;
-    if (cuda::lt_gemm(g, workspace.data_ptr(), workspace.numel(), stream)) return true;
-    if (fallbacks++ == 0)
-      std::cerr << "dssim: cuBLASLt has no kernel for epilogue " << int(g.epilogue) << " at m " << g.m << " n " << g.n
-                << " k " << g.k << "; that GEMM and its epilogue run as ATen's ops\n";
-    return false;
-  }
-};
+// cuBLASLt's scratch: one per device and stream, allocated once (a stream runs its GEMMs in
+// order, so they can share it). Never freed: the map outlives CUDA's teardown at exit.
+void* workspace(const at::Tensor& like, void* stream) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int, void*>, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& w = (*cache)[{like.device().index(), stream}];
+  if (!w.defined()) w = at::empty({static_cast<int64_t>(cuda::kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
+  return w.data_ptr();
+}
+
+// Queues g on libtorch's current stream of `like`'s device. False, queuing nothing, where its
+// epilogue is turned off or cuBLASLt has no kernel for it (the caller runs ATen's ops).
+bool run(const LtGemm& g, const at::Tensor& like) {
+  if (!enabled(g.epilogue)) return false;
+  void* stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  if (cuda::lt_gemm(g, workspace(like, stream), cuda::kLtWorkspaceBytes, stream)) return true;
+  if (fallbacks++ == 0)
+    std::cerr << "dssim: cuBLASLt has no kernel for epilogue " << int(g.epilogue) << " at m " << g.m << " n " << g.n
+              << " k " << g.k << "; that GEMM and its epilogue run as ATen's ops\n";
+  return false;
+}
 
 at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
 
@@ -118,22 +126,12 @@ std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   return s;
 }
 
-// dw = dy^T x and db = sum of dy over its rows, into dw and db: one GEMM (BGRADB), or ATen's ops.
-void weight_grads_into(Lt& lt, const at::Tensor& dy, const at::Tensor& x, at::Tensor dw, at::Tensor db) {
-  auto g = row_major(dw, dy, true, x, false);
-  g.epilogue = Epilogue::BGradB;
-  g.bias = db.data_ptr();
-  if (lt(g)) return;
-  at::mm_out(dw, dy.t(), x);
-  at::sum_out(db, dy, {0});
-}
-
 // dW = dy^T x and, when `bias`, db = sum of dy over its rows.
-std::pair<at::Tensor, at::Tensor> weight_grads(Lt& lt, const at::Tensor& dy, const at::Tensor& x, bool bias) {
+std::pair<at::Tensor, at::Tensor> weight_grads(const at::Tensor& dy, const at::Tensor& x, bool bias) {
   if (!bias) return {at::mm(dy.t(), x), at::Tensor()};
   auto dw = at::empty({dy.size(1), x.size(1)}, dy.options());
   auto db = at::empty({dy.size(1)}, dy.options());
-  weight_grads_into(lt, dy, x, dw, db);
+  linear_weight_grads(dy, x, dw, db);
   return {dw, db};
 }
 
@@ -143,30 +141,16 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
                             const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& residual) {
     const auto x = rows(x_in);
     const int64_t T = x.size(0), f = w1.size(0), o = w2.size(0);
-    Lt lt(x);
     auto pre = at::empty({T, f}, x.options()), m = at::empty({T, f}, x.options());
-    auto up = row_major(m, x, false, w1, true);
-    up.epilogue = Epilogue::GeluAuxBias;
-    up.bias = b1.data_ptr();
-    up.aux = pre.data_ptr();
-    up.ld_aux = f;
-    if (!lt(up)) {
+    if (!gemm_gelu_aux_bias(x, w1, b1, m, pre)) {
       at::addmm_out(pre, b1, x, w1.t());
       m = at::gelu(pre, "tanh");
     }
-    auto out = at::empty({T, o}, x.options());
     const bool has_b2 = b2.numel() > 0, has_residual = residual.numel() > 0;
-    const auto r = has_residual ? rows(residual) : residual;
-    auto down = row_major(out, m, false, w2, true);
-    if (has_b2) {
-      down.epilogue = Epilogue::Bias;
-      down.bias = b2.data_ptr();
-    }
-    if (has_residual) {
-      down.c = r.data_ptr();
-      down.beta = 1;
-    }
-    if (!lt(down)) {
+    const auto b = has_b2 ? b2 : at::Tensor();
+    const auto r = has_residual ? rows(residual) : at::Tensor();
+    auto out = at::empty({T, o}, x.options());
+    if (!gemm_bias_residual(m, w2, b, r, out)) {
       out = has_b2 ? at::addmm(b2, m, w2.t()) : at::mm(m, w2.t());
       if (has_residual) out = r + out;
     }
@@ -180,18 +164,12 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const auto s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w1 = s[1], &w2 = s[2], &pre = s[3], &m = s[4];
     const auto dout = rows(grads[0]);
-    const int64_t T = x.size(0), f = w1.size(0);
-    Lt lt(dout);
-    auto dpre = at::empty({T, f}, dout.options());
-    auto g = row_major(dpre, dout, false, w2, false);
-    g.epilogue = Epilogue::DGelu;
-    g.aux = pre.data_ptr();
-    g.ld_aux = f;
-    if (!lt(g)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
+    auto dpre = at::empty_like(pre);
+    if (!gemm_dgelu(dout, w2, pre, dpre)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
     at::Tensor dx, dw1, db1, dw2, db2;
     if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
-      std::tie(dw2, db2) = weight_grads(lt, dout, m, ctx->saved_data["b2"].toBool());
-    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(lt, dpre, x, true);
+      std::tie(dw2, db2) = weight_grads(dout, m, ctx->saved_data["b2"].toBool());
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(dpre, x, true);
     if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(with_last(grads[0], x.size(1)));
     const at::Tensor dr = ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor();
     return {dx, dw1, db1, dw2, ctx->saved_data["b2"].toBool() ? db2 : at::Tensor(), dr};
@@ -208,13 +186,7 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
     if (has_residual) {
       const auto r = rows(residual);
       out = at::empty({x.size(0), w.size(0)}, x.options());
-      Lt lt(x);
-      auto g = row_major(out, x, false, w, true);
-      g.epilogue = Epilogue::Bias;
-      g.bias = b.data_ptr();
-      g.c = r.data_ptr();
-      g.beta = 1;
-      if (!lt(g)) out = r + at::addmm(b, x, w.t());
+      if (!gemm_bias_residual(x, w, b, r, out)) out = r + at::addmm(b, x, w.t());
     } else {
       out = at::addmm(b, x, w.t());  // ATen runs the bias in cuBLASLt's epilogue already
     }
@@ -228,10 +200,7 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
     const at::Tensor &x = s[0], &w = s[1];
     const auto dy = rows(grads[0]);
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
-      Lt lt(dy);
-      std::tie(dw, db) = weight_grads(lt, dy, x, true);
-    }
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw, db) = weight_grads(dy, x, true);
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(with_last(grads[0], x.size(1)));
     return {dx, dw, db, ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor()};
   }
@@ -251,13 +220,72 @@ std::string gemm_epilogues_mode() {
   return turned_off() ? "off" : epilogue_flags();
 }
 
-void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
+// The single GEMMs. Without cuBLASLt they run nothing and say so.
+bool gemm_gelu_aux_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& m,
+                        const at::Tensor& pre) {
 #if DSSIM_FUSED_EPILOGUES
-  if (usable({&dy, &x, &dw, &db})) {
-    Lt lt(dy);
-    return weight_grads_into(lt, dy, x, dw, db);
-  }
+  if (!usable({&x, &w, &b, &m, &pre})) return false;
+  auto g = row_major(m, x, false, w, true);
+  g.epilogue = Epilogue::GeluAuxBias;
+  g.bias = b.data_ptr();
+  g.aux = pre.data_ptr();
+  g.ld_aux = pre.size(1);
+  return run(g, x);
+#else
+  (void)x, (void)w, (void)b, (void)m, (void)pre;
+  return false;
 #endif
+}
+
+bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
+                        const at::Tensor& out) {
+#if DSSIM_FUSED_EPILOGUES
+  if (!usable({&x, &w, &b, &residual, &out})) return false;
+  auto g = row_major(out, x, false, w, true);
+  if (b.defined()) {
+    g.epilogue = Epilogue::Bias;
+    g.bias = b.data_ptr();
+  }
+  if (residual.defined()) {
+    g.c = residual.data_ptr();
+    g.beta = 1;
+  }
+  return run(g, x);
+#else
+  (void)x, (void)w, (void)b, (void)residual, (void)out;
+  return false;
+#endif
+}
+
+bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre) {
+#if DSSIM_FUSED_EPILOGUES
+  if (!usable({&dy, &w, &pre, &dpre})) return false;
+  auto g = row_major(dpre, dy, false, w, false);
+  g.epilogue = Epilogue::DGelu;
+  g.aux = pre.data_ptr();
+  g.ld_aux = pre.size(1);
+  return run(g, dy);
+#else
+  (void)dy, (void)w, (void)pre, (void)dpre;
+  return false;
+#endif
+}
+
+bool gemm_bgradb(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
+#if DSSIM_FUSED_EPILOGUES
+  if (!usable({&dy, &x, &dw, &db})) return false;
+  auto g = row_major(dw, dy, true, x, false);
+  g.epilogue = Epilogue::BGradB;
+  g.bias = db.data_ptr();
+  return run(g, dy);
+#else
+  (void)dy, (void)x, (void)dw, (void)db;
+  return false;
+#endif
+}
+
+void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
+  if (gemm_bgradb(dy, x, dw, db)) return;
   at::Tensor w_out = dw, b_out = db;  // handles onto the caller's storage
   at::mm_out(w_out, dy.t(), x);
   at::sum_out(b_out, dy, {0});

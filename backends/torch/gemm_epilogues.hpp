@@ -31,6 +31,20 @@ at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // dw = dy^T x and db = the sum of dy's rows, written into dw and db (contiguous, views allowed):
 // one GEMM with the bias gradient in its epilogue where mlp would run fused, ATen's ops otherwise.
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
+// The fused block's GEMMs one at a time, on 2-D contiguous tensors, as mlp / biased_linear and
+// their backward run them (and dssim calibrate's `epilogues` family times them, backends/torch/
+// calibrate.cpp). Each writes its outputs and returns true; false, running nothing, where it would
+// not run fused (not built, CPU, fp32, turned off, a shape cuBLASLt refuses). x [T x k], w [n x k]:
+//   gemm_gelu_aux_bias  pre = x W^T + b, m = gelu_tanh(pre)        (GELU_AUX_BIAS)
+//   gemm_bias_residual  out = x W^T [+ b] [+ residual]             (BIAS, beta 1; b, residual optional)
+//   gemm_dgelu          dpre = (dy W) * gelu_tanh'(pre), dy [T x n] (DGELU)
+//   gemm_bgradb         dw = dy^T x, db = the sum of dy's rows      (BGRADB)
+bool gemm_gelu_aux_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& m,
+                        const at::Tensor& pre);
+bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
+                        const at::Tensor& out);
+bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre);
+bool gemm_bgradb(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
 // Whether mlp / biased_linear would run fused for these tensors (false where not built, on CPUs,
 // or when turned off).
 bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = at::Tensor());

@@ -114,3 +114,37 @@ TEST_CASE("block MLP and biased linear on a GPU: cuBLASLt epilogues against fp32
   WARN("largest relative difference from fp32: fused " << worst_fused << ", ATen's 16-bit ops " << worst_aten);
   REQUIRE(gemm_epilogue_fallbacks() == 0);
 }
+
+// The single GEMMs dssim calibrate times (gemm_epilogues.hpp): each refuses where it would not run
+// fused, leaving its outputs alone; on a GPU each matches its ATen expression computed in fp32.
+TEST_CASE("single epilogue GEMMs: refused on the host, exact to 16-bit rounding on a GPU", "[epilogues]") {
+  torch::manual_seed(13);
+  const int64_t T = 48, n = 32, k = 64;
+  for (auto dev : {at::Device(at::kCPU), at::Device(at::kCUDA, 0)}) {
+    const bool gpu = dev.is_cuda();
+    if (gpu && !torch::cuda::is_available()) continue;
+    const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+    const auto x = at::randn({T, k}, o), w = (at::randn({n, k}, o) * 0.1), b = at::randn({n}, o), r = at::randn({T, n}, o);
+    const auto dy = at::randn({T, n}, o), pre = at::randn({T, k}, o);
+    auto m = at::full({T, n}, 7.0, o), aux = at::full({T, n}, 7.0, o), out = at::full({T, n}, 7.0, o);
+    auto dpre = at::full({T, k}, 7.0, o), dw = at::full({n, k}, 7.0, o), db = at::full({n}, 7.0, o);
+    const bool fused = gemm_epilogues_apply(x, w, b);
+    REQUIRE(gemm_gelu_aux_bias(x, w, b, m, aux) == fused);
+    REQUIRE(gemm_bias_residual(x, w, b, r, out) == fused);
+    REQUIRE(gemm_dgelu(dy, w, pre, dpre) == fused);  // dy [T x n] W [n x k]
+    REQUIRE(gemm_bgradb(dy, x, dw, db) == fused);
+    if (!fused) {
+      if (gpu) WARN("no cuBLASLt in this build: the single epilogue GEMMs' GPU check is skipped");
+      for (const auto& t : {m, aux, out, dpre, dw, db}) REQUIRE(at::equal(t, at::full_like(t, 7.0)));  // untouched
+      continue;
+    }
+    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    const auto pre_ref = at::addmm(f(b), f(x), f(w).t());
+    CHECK(max_rel(aux, pre_ref) < 1e-2);
+    CHECK(max_rel(m, at::gelu(pre_ref, "tanh")) < 1e-2);
+    CHECK(max_rel(out, f(r) + pre_ref) < 1e-2);
+    CHECK(max_rel(dpre, at::gelu_backward(at::mm(f(dy), f(w)), f(pre), "tanh")) < 1e-2);
+    CHECK(max_rel(dw, at::mm(f(dy).t(), f(x))) < 1e-2);
+    CHECK(max_rel(db, f(dy).sum(0)) < 1e-2);
+  }
+}
