@@ -1,6 +1,7 @@
 # Sourced by the scripts that build dssim on a GPU machine (gpu_bench.sh, gpu_validate.sh):
 # the environment and the build, once. Expects ROOT; sets OUT, BUILD, DEPS.
 #   gpu_build TARGET...   configures (simulator off, CUDA + NCCL on, pip torch's libtorch) and builds
+#   (DSSIM_GPU_TESTS=ON configures the test programs too, e.g. dssim_gemm_epilogues_tests)
 OUT=${OUT:-$ROOT/build-gpu/out}
 BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
 DEPS=${DSSIM_DEPS:-$ROOT/.deps}
@@ -23,7 +24,7 @@ gpu_build() {
   nccl_root=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
   t0=$(date +%s)
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSSIM_WITH_SIMGRID=OFF -DDSSIM_WITH_CUDA=ON \
-    -DDSSIM_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$prefix" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
+    -DDSSIM_BUILD_TESTS=${DSSIM_GPU_TESTS:-OFF} -DCMAKE_PREFIX_PATH="$prefix" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
     -DCMAKE_CXX_COMPILER=g++ > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; return 1; }
   cmake --build "$BUILD" --target "$@" -j"$(nproc)" > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; return 1; }

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 4 on a GPU machine, in one call: builds the trainer and the calibrator against the pip torch
-# there (simulator off), measures the GPU into a device profile (`dssim calibrate`), trains every
-# scenario of validation/measured/scenarios/ with `dssim run --backend cuda --json`, and prints a
-# table last. Back on the development machine, scripts/import_measurements.sh turns $OUT into
-# profiles/h200.yaml and the measurement records validation/measured/*.json.
+# there (simulator off), measures the GPU into a device profile (`dssim calibrate`: h200.yaml on an
+# H200, h100.yaml on an H100), trains that card's scenarios of validation/measured/scenarios/
+# (h200_*, h100_*) with `dssim run --backend cuda --json`, and prints a table last. Back on the
+# development machine, scripts/import_measurements.sh turns $OUT into profiles/<card>.yaml and the
+# measurement records validation/measured/*.json.
 #
 #   scripts/gpu_validate.sh [--steps N] [--only NAME[,NAME...]] [--skip-calibrate | --calibrate-only] [-- calibrate options]
 #
@@ -23,6 +24,14 @@ while [[ $# -gt 0 ]]; do
 done
 source "$ROOT/scripts/gpu_common.sh"
 gpu_build dssim_torch_run dssim_calibrate_run
+# The card decides the profile's name and which scenarios are its own (h200_*, h100_*).
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$CARD" in
+  *H200*) PREFIX=h200 ;;
+  *H100*) PREFIX=h100 ;;
+  *) PREFIX=gpu ;;
+esac
+PROFILE_NAME=${PROFILE_NAME:-$PREFIX.yaml}
 # The host the offloaded scenario's optimizer runs on: CPU, NUMA nodes, transparent huge pages.
 { lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA)" || true
   echo "THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null), defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null)"
@@ -40,7 +49,7 @@ done
 if [[ $CALIBRATE == 1 ]]; then
   t1=$(date +%s)
   echo "== dssim calibrate" >> "$LOG"
-  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/${PROFILE_NAME:-h200.yaml}" "${CAL_ARGS[@]}" \
+  "$BUILD/dssim_calibrate_run" --backend cuda --out "$OUT/$PROFILE_NAME" "${CAL_ARGS[@]}" \
       > "$OUT/calibrate.txt" 2> "$OUT/stderr.tmp" \
     || { echo "dssim calibrate failed"; tail -20 "$OUT/stderr.tmp"; }
   echo "calibrated in $(( $(date +%s) - t1 )) s"
@@ -50,6 +59,7 @@ fi
 for f in "$ROOT"/validation/measured/scenarios/*.yaml; do
   [[ $MEASURE == 1 ]] || break
   name=$(basename "$f" .yaml)
+  [[ "$name" == "$PREFIX"_* ]] || continue  # another card's scenario
   if [[ -n "$ONLY" ]]; then  # comma-separated name fragments
     keep=0; IFS=, read -ra parts <<< "$ONLY"
     for part in "${parts[@]}"; do [[ "$name" == *"$part"* ]] && keep=1; done
@@ -78,7 +88,7 @@ fi
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 print("%-28s %10s %10s %7s %9s %9s" % ("scenario", "iter (s)", "tokens/s", "MFU", "peak GiB", "host GiB"))
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "h200_*.json"))):
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "h[0-9]*_*.json"))):
     d = json.load(open(f)); t = d["throughput"]; m = d["extras"]["measured"]["memory_bytes"]
     print("%-28s %10.3f %10.0f %6.1f%% %9.2f %9.2f" % (os.path.basename(f)[:-5], t["iteration_seconds"],
           t["tokens_per_second"], 100 * t["mfu"], m.get("peak", 0) / 2**30, m.get("host_peak", 0) / 2**30))
