@@ -122,6 +122,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
     measured["gemm_epilogues"] = epilogues.empty() ? "none" : epilogues;
     measured["gemm_epilogue_fallbacks"] = gemm_epilogue_fallbacks();
     measured["cross_entropy_kernel"] = cross_entropy_kernel_enabled();
+    measured["device"] = cuda_device_name();  // what a record names as its GPU
   }
   measured["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   r.extras["measured"] = measured;

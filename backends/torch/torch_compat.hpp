@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #endif
 #if defined(DSSIM_HAVE_NCCL)
@@ -142,6 +143,16 @@ inline void set_cuda_device(int index) {
 #else
   (void)index;
 #endif
+}
+
+// The current CUDA device's name as the driver reports it ("NVIDIA H100 80GB HBM3"); "" without one.
+inline std::string cuda_device_name() {
+#if defined(DSSIM_TORCH_CUDA)
+  int index = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&index) == cudaSuccess && cudaGetDeviceProperties(&prop, index) == cudaSuccess) return prop.name;
+#endif
+  return "";
 }
 
 inline constexpr bool torch_has_cuda() {
