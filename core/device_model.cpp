@@ -48,6 +48,11 @@ double DeviceModel::gemm_efficiency(double flops) const {
 }
 
 double DeviceModel::kernel_seconds(const LayerOp& op) const {
+  if (op.gemm && !op.epilogue.empty()) {  // measured with its epilogue, else the kernels it replaces
+    if (profile_)
+      if (auto t = profile_->kernel_seconds(op, dtype_, flash_attention_)) return *t;
+    return kernel_seconds(plain_gemm(op)) + kernel_seconds(epilogue_replaced_op(op.epilogue, op, bytes_of(dtype_)));
+  }
   // A measured kernel: back-to-back timing already includes what launches cost in a stream. An op
   // that names its kernel (cross_entropy, bias_grad) is priced by that row where measured.
   if (profile_ && !op.gemm && !op.kernel.empty() && op.memory_bytes > 0)
@@ -171,7 +176,29 @@ double DeviceModel::collective_local_seconds(const Instruction& inst) const {
   return inst.memory_bytes / (g.hbm_bandwidth * g.memory_efficiency) + g.kernel_launch;
 }
 
+double DeviceModel::epilogue_backward_seconds(const LayerOp& op) const {
+  // Each plain pass as backward_gemm_seconds prices it without epilogues: the profile's dgrad /
+  // wgrad rows where every pass run answers, else the forward GEMM's time.
+  const LayerOp plain = plain_gemm(op);
+  const auto rate = [&](GemmPass p, const std::string& epilogue) -> std::optional<double> {
+    if (!profile_) return std::nullopt;
+    return profile_->gemm_flops_per_second(dtype_, op.m, op.n, op.k, op.batch, p, epilogue);
+  };
+  const auto dgrad = rate(GemmPass::dgrad, ""), wgrad = op.frozen ? std::nullopt : rate(GemmPass::wgrad, "");
+  const bool measured = dgrad && (op.frozen || wgrad);
+  const double forward = measured ? 0 : kernel_seconds(plain);
+  const auto pass = [&](GemmPass p, const std::optional<double>& plain_rate, const std::string& epilogue) {
+    if (!epilogue.empty())
+      if (auto r = rate(p, epilogue)) return op.flops / *r;
+    double t = measured ? op.flops / *plain_rate : forward;
+    if (!epilogue.empty()) t += memory_bound_backward_seconds(epilogue_replaced_op(epilogue, op, bytes_of(dtype_)));
+    return t;
+  };
+  return pass(GemmPass::dgrad, dgrad, op.dgrad_epilogue) + (op.frozen ? 0 : pass(GemmPass::wgrad, wgrad, op.wgrad_epilogue));
+}
+
 double DeviceModel::backward_gemm_seconds(const LayerOp& op) const {
+  if (!op.attention_core && op.has_epilogue()) return epilogue_backward_seconds(op);
   if (profile_ && !op.attention_core)
     if (auto t = profile_->backward_gemm_seconds(op, dtype_)) return *t;
   // Input and weight gradient, each as costly as the forward GEMM (a frozen weight: input only).

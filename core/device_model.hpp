@@ -32,9 +32,14 @@ class DeviceModel {
   explicit DeviceModel(const Scenario& sc);
   explicit DeviceModel(const PricingInputs& in);
 
+  // A GEMM with a forward epilogue (LayerOp::epilogue): the profile's rows of that epilogue where
+  // they answer, else the plain GEMM plus the kernel the epilogue replaces (epilogue_replaced_op),
+  // each priced as without epilogues.
   double kernel_seconds(const LayerOp& op) const;
   // Backward of a GEMM LayerOp (given by its forward shape, not attention-core): the profile's
-  // dgrad + wgrad time where both are measured, else 2x kernel_seconds.
+  // dgrad + wgrad time where both are measured, else 2x kernel_seconds. A pass with an epilogue
+  // (dgrad_epilogue, wgrad_epilogue): that epilogue's rows of the pass where they answer, else
+  // the plain pass plus the backward of the kernel it replaces.
   double backward_gemm_seconds(const LayerOp& op) const;
   // Backward of a flash-attention GEMM op: the profile's flash_backward rate, else 2.5x forward.
   double flash_backward_seconds(const LayerOp& op) const;
@@ -71,6 +76,7 @@ class DeviceModel {
 
  private:
   double gemm_efficiency(double flops) const;
+  double epilogue_backward_seconds(const LayerOp& op) const;
   double roofline_seconds(const LayerOp& op) const;
   ClusterSpec cluster_;
   Recompute recompute_;

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include "core/scenario_loader.hpp"
 
 namespace dssim {
@@ -213,6 +214,12 @@ std::vector<Row> rows(const Ctx& c, const YAML::Node& root, const std::string& n
 }
 
 const std::vector<std::string> kGemmPasses = {"forward", "dgrad", "wgrad"};
+// The epilogues a GEMM row of each pass may name (GemmPoint::epilogue).
+const std::vector<std::string>& gemm_epilogues_of(GemmPass p) {
+  static const std::vector<std::string> forward = {"gelu_aux_bias", "bias_residual"}, dgrad = {"dgelu"},
+                                        wgrad = {"bgradb"};
+  return p == GemmPass::dgrad ? dgrad : p == GemmPass::wgrad ? wgrad : forward;
+}
 const std::vector<std::string> kAttentionKernels = {"flash", "plain", "flash_backward"};
 const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw",
                                                   "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
@@ -255,10 +262,10 @@ const char* to_string(GemmPass p) {
 }
 
 std::optional<double> DeviceProfile::gemm_flops_per_second(Dtype dtype, double m, double n, double k, double batch,
-                                                           GemmPass pass) const {
+                                                           GemmPass pass, const std::string& epilogue) const {
   std::vector<Sample> s;
   for (const auto& r : gemm)
-    if (r.dtype == dtype && r.pass == pass) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
+    if (r.dtype == dtype && r.pass == pass && r.epilogue == epilogue) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
   return interpolate(s, {lg(m * std::max(1.0, batch)), lg(n), lg(k)});
 }
 
@@ -303,7 +310,7 @@ std::optional<double> DeviceProfile::kernel_seconds(const LayerOp& op, Dtype dty
       const double head_dim = op.n == op.m ? op.k : op.n;
       rate = attention_flops_per_second("flash", dtype, op.batch, op.m, head_dim);
     } else {
-      rate = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch);
+      rate = gemm_flops_per_second(dtype, op.m, op.n, op.k, op.batch, GemmPass::forward, op.epilogue);
     }
     if (!rate) return std::nullopt;
     return op.flops / *rate;
@@ -370,7 +377,7 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
       m.notes.push_back(get_string(c, "metadata.notes[" + std::to_string(i) + "]", notes[i]));
   }
 
-  p.gemm = rows<GemmPoint>(c, root, "gemm", {"op", "dtype", "pass", "m", "n", "k", "flops_per_second", "seconds"},
+  p.gemm = rows<GemmPoint>(c, root, "gemm", {"op", "dtype", "pass", "epilogue", "m", "n", "k", "flops_per_second", "seconds"},
                            [&](const std::string& key, const YAML::Node& r) {
     GemmPoint g;
     g.dtype = get_dtype(c, key + ".dtype", required(c, key, r, "dtype"));
@@ -380,6 +387,13 @@ DeviceProfile parse_device_profile(const std::string& yaml, const std::string& s
     if (r["pass"]) {
       const std::string pass = get_enum(c, key + ".pass", r["pass"], kGemmPasses);
       g.pass = pass == "dgrad" ? GemmPass::dgrad : pass == "wgrad" ? GemmPass::wgrad : GemmPass::forward;
+    }
+    if (r["epilogue"]) {
+      const auto& allowed = gemm_epilogues_of(g.pass);
+      g.epilogue = get_string(c, key + ".epilogue", r["epilogue"]);
+      if (std::find(allowed.begin(), allowed.end(), g.epilogue) == allowed.end())
+        c.fail(key + ".epilogue", r["epilogue"], std::string("a ") + to_string(g.pass) + " GEMM's epilogue is one of " +
+                                                      join(allowed) + ", got '" + g.epilogue + "'");
     }
     g.flops_per_second = get_positive(c, key + ".flops_per_second", required(c, key, r, "flops_per_second"));
     if (r["seconds"]) g.seconds = get_positive(c, key + ".seconds", r["seconds"]);
@@ -500,6 +514,7 @@ std::string to_yaml(const DeviceProfile& p) {
       if (!g.op.empty()) y << YAML::Key << "op" << YAML::Value << g.op;
       y << YAML::Key << "dtype" << YAML::Value << to_string(g.dtype);
       if (g.pass != GemmPass::forward) y << YAML::Key << "pass" << YAML::Value << to_string(g.pass);
+      if (!g.epilogue.empty()) y << YAML::Key << "epilogue" << YAML::Value << g.epilogue;
       y << YAML::Key << "m" << YAML::Value << g.m << YAML::Key << "n" << YAML::Value << g.n << YAML::Key << "k" << YAML::Value << g.k;
       y << YAML::Key << "flops_per_second" << YAML::Value << g.flops_per_second;
       if (g.seconds > 0) y << YAML::Key << "seconds" << YAML::Value << g.seconds;
@@ -568,7 +583,8 @@ std::string device_profile_summary(const DeviceProfile& p) {
     g.scale = scale;
   };
   for (const auto& g : p.gemm)
-    add(std::string("gemm ") + (g.pass == GemmPass::forward ? "" : std::string(to_string(g.pass)) + " ") + to_string(g.dtype),
+    add(std::string("gemm ") + (g.pass == GemmPass::forward ? "" : std::string(to_string(g.pass)) + " ") +
+            (g.epilogue.empty() ? "" : g.epilogue + " ") + to_string(g.dtype),
         g.flops_per_second, "TFLOP/s", 1e12);
   for (const auto& a : p.attention) add("attention " + a.kernel + " " + to_string(a.dtype), a.flops_per_second, "TFLOP/s", 1e12);
   for (const auto& e : p.elementwise) add(e.op + " " + to_string(e.dtype), e.bytes_per_second, "GB/s", 1e9);
@@ -619,7 +635,7 @@ DeviceProfile merge_device_profile(DeviceProfile base, const DeviceProfile& fres
     merged.insert("copies");
   }
   if (!fresh.gemm.empty()) {
-    replace(base.gemm, fresh.gemm, [](const GemmPoint& r) { return std::make_pair(int(r.dtype), int(r.pass)); });
+    replace(base.gemm, fresh.gemm, [](const GemmPoint& r) { return std::make_tuple(int(r.dtype), int(r.pass), r.epilogue); });
     merged.insert("gemm");
   }
   if (!fresh.attention.empty()) {

@@ -61,6 +61,13 @@ struct GemmPoint {            // C[m x n] = A[m x k] B[k x n]
   Dtype dtype = Dtype::bf16;
   double m = 0, n = 0, k = 0;
   GemmPass pass = GemmPass::forward;  // YAML `pass:`, written only when not forward
+  // YAML `epilogue:`, written only when set: the GEMM timed with what its epilogue does besides
+  // the product (cuBLASLt, as the torch engine runs the block with model.gemm_epilogues): forward
+  // gelu_aux_bias (bias + GELU, GELU's input written too) | bias_residual (bias + the residual,
+  // beta 1); dgrad dgelu (times GELU's derivative); wgrad bgradb (the bias gradient). "" = the
+  // plain GEMM. FLOPs 2 m n k as for plain rows at the forward op's (m, n, k); the epilogue's time
+  // is inside the row's seconds. Such rows answer only lookups for that pass and epilogue.
+  std::string epilogue;
   double flops_per_second = 0;
   double seconds = 0;         // median per GEMM (informational; flops_per_second is what is used)
   std::string op;             // which transformer GEMM it stands for (qkv, attention_proj, ...), informational
@@ -129,9 +136,11 @@ struct DeviceProfile {
   std::vector<CollectivePoint> collectives;
 
   // Achieved FLOP/s of a GEMM C[m x n] = A[m x k] B[k x n] repeated `batch` times; `pass`: which
-  // of the linear layer's GEMMs, (m, n, k) being the forward op's; only rows of that pass count.
+  // of the linear layer's GEMMs, (m, n, k) being the forward op's; only rows of that pass and that
+  // `epilogue` count ("" = plain GEMMs: rows with an epilogue never answer).
   std::optional<double> gemm_flops_per_second(Dtype, double m, double n, double k, double batch = 1,
-                                              GemmPass pass = GemmPass::forward) const;
+                                              GemmPass pass = GemmPass::forward,
+                                              const std::string& epilogue = "") const;
   std::optional<double> attention_flops_per_second(const std::string& kernel, Dtype, double batch_heads,
                                                    double seq_len, double head_dim) const;
   // `op`: an elementwise op of BandwidthPoint. gelu / layer_norm with no rows of their own use
@@ -143,10 +152,12 @@ struct DeviceProfile {
   // Measured time of one forward kernel of a layer (core/model.hpp's LayerOp); nullopt where the
   // table does not cover it (the preset curve applies). `flash`: attention-core GEMMs run as one
   // fused kernel (their FLOPs at the flash rate); the fused-away softmax / dropout give nullopt.
+  // A GEMM with an epilogue (LayerOp::epilogue): the rows of that epilogue only.
   std::optional<double> kernel_seconds(const LayerOp&, Dtype, bool flash) const;
   // Measured backward time of a (non-attention-core) GEMM LayerOp given by its forward shape:
-  // flops / dgrad rate + flops / wgrad rate, when both passes have rows for this dtype and both
-  // lookups answer; nullopt otherwise (the caller prices backward as 2x the forward kernel).
+  // flops / dgrad rate + flops / wgrad rate (plain rows), when both passes have rows for this dtype
+  // and both lookups answer; nullopt otherwise (the caller prices backward as 2x the forward
+  // kernel). The op's dgrad / wgrad epilogues are the caller's (DeviceModel::backward_gemm_seconds).
   std::optional<double> backward_gemm_seconds(const LayerOp&, Dtype) const;
   // Measured efficiency (achieved / peak FLOP/s) of a GEMM or attention LayerOp.
   std::optional<double> efficiency(const LayerOp&, Dtype, bool flash, double peak_flops) const;
@@ -167,7 +178,7 @@ std::string to_yaml(const DeviceProfile&);
 std::string device_profile_summary(const DeviceProfile&);
 
 // `base` with the rows `fresh` measured put in place of base's of the same kind (elementwise and
-// copy rows by op, GEMM rows by dtype and pass, attention rows by kernel and dtype, collectives by
+// copy rows by op, GEMM rows by dtype, pass and epilogue, attention rows by kernel and dtype, collectives by
 // name): `dssim calibrate --only moe --merge profiles/h200.yaml` adds a family without
 // re-measuring the rest. base's metadata stays, with a note naming what was merged and when.
 DeviceProfile merge_device_profile(DeviceProfile base, const DeviceProfile& fresh);

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 namespace dssim {
 
@@ -276,6 +277,23 @@ LayerOp swiglu_op(double elements, double e, bool eager = false) {
   return op;
 }
 
+// GELU (tanh) over `elements` outputs of the up-projection: read x, write y; backward reads dy and
+// x, writes dx (kernel gelu_backward).
+LayerOp gelu_op(double elements, double e) {
+  LayerOp op = elementwise_op("gelu", elements, kGeluFlopsPerElement, 2 * e);
+  op.backward_bytes = 3 * e * elements;
+  op.backward_kernel = "gelu_backward";
+  return op;
+}
+
+// The residual add: read the branch and the residual, write the sum. Backward: the residual's
+// gradient summed with the branch's at the fork (3 bytes per element).
+LayerOp residual_add_op(const std::string& name, double elements, double e) {
+  LayerOp op = elementwise_op(name, elements, 1, 3 * e);
+  op.backward_bytes = 3 * e * elements;
+  return op;
+}
+
 // Backward-only work of a layer: the bias gradients (dy summed over the tokens, one reduction per
 // biased linear; `bias_width` = the widths' sum), and adding the layer's weight gradients into the
 // gradient buffer (read it and the new gradient, write it: 3 g bytes per parameter), as PyTorch's
@@ -297,10 +315,69 @@ LayerOp grad_accumulate_op(double params, double e) {
 // Backward: the residual's gradient is summed with the branch's at the fork (3 bytes per element),
 // and dropout's backward rescales by the mask (read the gradient and mask, write one).
 LayerOp dropout_residual_op(const std::string& name, double tokens, double h, double e, bool dropout) {
-  LayerOp op = dropout ? elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement)
-                       : elementwise_op("residual" + name.substr(name.size() - 2), tokens * h, 1, 3 * e);
-  op.backward_bytes = (dropout ? 5 * e + kMaskBytesPerElement : 3 * e) * tokens * h;
+  if (!dropout) return residual_add_op("residual" + name.substr(name.size() - 2), tokens * h, e);
+  LayerOp op = elementwise_op(name, tokens * h, 2, 3 * e + kMaskBytesPerElement);
+  op.backward_bytes = (5 * e + kMaskBytesPerElement) * tokens * h;
   return op;
+}
+
+// model.gemm_epilogues as dssim's torch engine runs the block on GPUs (backends/torch/
+// gemm_epilogues.hpp, gpt.cpp block_forward): the epilogues set on the block's GEMMs, the ops they
+// replace taken out of the list. Without tensor parallelism mlp_up's GEMM writes GELU's input and
+// output (gelu_aux_bias), mlp_down's and attention_proj's add the bias and the residual
+// (bias_residual: the residual ops keep their backward only), mlp_down's dgrad applies GELU's
+// derivative (dgelu), and every trained biased linear's wgrad sums its bias gradient (bgradb). With
+// tensor parallelism the row-parallel layers' biases are added after the reduction and the
+// residuals stay separate adds: only mlp_up's gelu_aux_bias, the dgelu and qkv's and mlp_up's
+// bgradb apply. A MoE layer's experts run ATen's ops (their gelu and bias sums stay); with dropout
+// the residual keeps its kernel. Runs after finetune_layer_ops (frozen linears have no wgrad).
+// Dense q, k, v (three GEMMs into one [3, b, s, a, d] tensor): the flash kernels' dq, dk, dv come
+// back dense and feed the QKV backward as they are, so of the layout copies only the attention
+// output's gradient copy (h/t wide, the projection's input) is left.
+void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dropout, bool flash) {
+  const auto find = [&](const std::string& name) -> LayerOp* {
+    for (LayerOp& op : ops)
+      if (op.name == name && (!op.gemm || op.batch == 1)) return &op;
+    return nullptr;
+  };
+  double fused_bias_elements = 0;  // the bias gradients the wgrad epilogues sum
+  const auto set = [&](LayerOp* op, const char* forward, const char* dgrad, const char* wgrad) {
+    if (!op) return;
+    // The forward's output [m x n] (GELU's input written, the residual read), the dgrad's output
+    // [m x k] (GELU's input read by dgelu).
+    const double out = op->m * op->n;
+    if (*forward) op->epilogue = forward, op->epilogue_bytes = e * out, op->memory_bytes += e * out;
+    if (*dgrad) op->dgrad_epilogue = dgrad, op->dgrad_epilogue_bytes = e * op->m * op->k;
+    if (*wgrad && !op->frozen) op->wgrad_epilogue = wgrad, fused_bias_elements += out;
+  };
+  LayerOp* up = find("mlp_up");
+  const bool dense_mlp = up && find("gelu") && !find("moe_combine");
+  const bool residual = !tp && !dropout;
+  set(find("qkv"), "", "", "bgradb");
+  set(find("attention_proj"), residual ? "bias_residual" : "", "", tp ? "" : "bgradb");
+  if (dense_mlp) {
+    set(up, "gelu_aux_bias", "", "bgradb");
+    set(find("mlp_down"), residual ? "bias_residual" : "", "dgelu", tp ? "" : "bgradb");
+  }
+  const LayerOp* proj = find("attention_proj");
+  std::vector<LayerOp> out;
+  for (LayerOp& op : ops) {
+    if (dense_mlp && op.name == "gelu") continue;
+    if (flash && proj && op.name == "attention_layout_copies") op.memory_bytes = 2 * e * proj->m * proj->k;
+    if (residual && (op.name == "residual_1" || (dense_mlp && op.name == "residual_2"))) {
+      op.backward_only = true;  // the fork's gradient sum stays: memory_bytes are its backward bytes
+      op.memory_bytes = op.backward_memory_bytes();
+      op.backward_bytes = -1;
+    }
+    if (op.name == "bias_grads") {  // the biases no wgrad epilogue sums (1 FLOP and e bytes per element)
+      const double elements = op.flops - fused_bias_elements;
+      if (elements <= 1e-9 * op.flops) continue;
+      op.flops = elements;
+      op.memory_bytes = e * elements;
+    }
+    out.push_back(op);
+  }
+  ops = std::move(out);
 }
 
 }  // namespace
@@ -375,10 +452,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
     } else {
       ops.push_back(gemm_op("mlp_up", 1, tokens, f / t, h, e));
       ops.back().op_sac_recompute = 0;  // op-level SAC: the 5th matmul, saved
-      LayerOp gelu = elementwise_op("gelu", tokens * f / t, kGeluFlopsPerElement, 2 * e);
-      gelu.backward_bytes = 3 * e * tokens * f / t;  // read dy and x, write dx
-      gelu.backward_kernel = "gelu_backward";
-      ops.push_back(gelu);
+      ops.push_back(gelu_op(tokens * f / t, e));
     }
     ops.push_back(gemm_op("mlp_down", 1, tokens, h, f / t, e));
     if (m.swiglu) ops.back().op_sac_recompute = 0;  // the 7th matmul (w2), saved; GeLU's 6th is recomputed
@@ -415,10 +489,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
       ops.push_back(swiglu_op(routed_tokens * f, e, m.eager_elementwise));
     } else {
       ops.push_back(gemm_op("mlp_up", local_experts, tokens_per_expert, f, h, e));
-      LayerOp gelu = elementwise_op("gelu", routed_tokens * f, kGeluFlopsPerElement, 2 * e);
-      gelu.backward_bytes = 3 * e * routed_tokens * f;
-      gelu.backward_kernel = "gelu_backward";
-      ops.push_back(gelu);
+      ops.push_back(gelu_op(routed_tokens * f, e));
     }
     ops.push_back(gemm_op("mlp_down", local_experts, tokens_per_expert, h, f, e));
     LayerOp combine = elementwise_op("moe_combine", routed_tokens * h, 2, 2 * e);  // weighted gather back
@@ -434,6 +505,9 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   ops.push_back(grad_accumulate_op(dense_layer_params(m) / t, e));
   for (auto& op : ops) op.in_layer = true;
   finetune_layer_ops(ops, m, shape);
+  // LoRA-adapted linears run ATen's ops in the engine: the model keeps the block unfused then.
+  if (m.block_epilogues() && !(shape.finetune && shape.finetune->lora()))
+    apply_gemm_epilogues(ops, e, shape.tp > 1, m.has_dropout(), m.flash_attention);
   return ops;
 }
 
@@ -518,6 +592,25 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
   return ops;
 }
 
+LayerOp epilogue_replaced_op(const std::string& epilogue, const LayerOp& gemm, double e) {
+  const double out = gemm.batch * gemm.m * gemm.n;
+  if (epilogue == "gelu_aux_bias") return gelu_op(out, e);
+  if (epilogue == "dgelu") return gelu_op(gemm.batch * gemm.m * gemm.k, e);  // on the dgrad's output [m x k]
+  if (epilogue == "bias_residual") return residual_add_op("residual", out, e);
+  if (epilogue == "bgradb") return bias_grads_op(gemm.batch * gemm.m, gemm.n, e);
+  throw std::invalid_argument("unknown GEMM epilogue '" + epilogue + "'");
+}
+
+LayerOp plain_gemm(const LayerOp& gemm) {
+  LayerOp op = gemm;
+  op.memory_bytes -= gemm.epilogue_bytes;
+  op.epilogue.clear();
+  op.dgrad_epilogue.clear();
+  op.wgrad_epilogue.clear();
+  op.epilogue_bytes = op.dgrad_epilogue_bytes = 0;
+  return op;
+}
+
 OpsCost& OpsCost::operator+=(const OpsCost& o) {
   flops += o.flops;
   gemm_flops += o.gemm_flops;
@@ -564,7 +657,8 @@ OpsCost backward_cost(const std::vector<LayerOp>& forward_ops) {
     const double f = op.backward_only || op.frozen ? 1 : 2;  // a frozen weight: dgrad only
     c.flops += f * op.flops;
     if (op.gemm) c.gemm_flops += f * op.flops;
-    c.memory_bytes += op.gemm ? f * op.memory_bytes : op.backward_memory_bytes();
+    c.memory_bytes += op.gemm ? f * (op.memory_bytes - op.epilogue_bytes) + op.dgrad_epilogue_bytes
+                              : op.backward_memory_bytes();
     c.kernels += op.gemm ? int(f) : 1;
   }
   return c;

@@ -77,6 +77,16 @@ struct LayerOp {
   // torchtitan's policy): 0 for the saved matmuls and SDPA, kv / (h + 2 kv) for the fused QKV
   // GEMM (its k part), 1 for everything else in the layer.
   double op_sac_recompute = 1;
+  // GEMM epilogues (ModelSpec::gemm_epilogues, the torch engine's cuBLASLt GEMMs): what the
+  // forward GEMM, its dgrad and its wgrad do besides the product ("" = nothing): forward
+  // gelu_aux_bias | bias_residual, dgrad dgelu, wgrad bgradb. The HBM bytes an epilogue adds to
+  // its GEMM (gelu_aux_bias writes GELU's input and bias_residual reads the residual, e m n each;
+  // dgelu reads GELU's input, e m k) are in memory_bytes (forward) and dgrad_epilogue_bytes;
+  // epilogue_bytes says how much of memory_bytes that is. epilogue_replaced_op() names the
+  // separate kernel each replaces.
+  std::string epilogue, dgrad_epilogue, wgrad_epilogue;
+  double epilogue_bytes = 0, dgrad_epilogue_bytes = 0;
+  bool has_epilogue() const { return !epilogue.empty() || !dgrad_epilogue.empty() || !wgrad_epilogue.empty(); }
   double backward_memory_bytes() const {
     return backward_only ? memory_bytes : backward_bytes >= 0 ? backward_bytes : 2 * memory_bytes;
   }
@@ -105,7 +115,9 @@ struct LayerShape {
 // and TP collectives are not ops: the schedule places them. Backward: backward_cost().
 // Fine-tuning (shape.finetune): frozen weights' GEMMs marked `frozen`, each adapter's ops
 // (lora_forward_ops) after its base GEMM, bias gradients and grad_accumulate for trainable
-// parameters only.
+// parameters only. model.gemm_epilogues (GELU MLP with biases, no LoRA): the torch engine's fused
+// block, epilogues on the GEMMs and no gelu / bias_grads ops, residuals backward-only without TP
+// (model.cpp apply_gemm_epilogues, docs/simulator.md "The torch engine's fused block").
 std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& shape);
 // Forward ops of the embedding (first stage) and of the LM head + loss (last stage).
 std::vector<LayerOp> embedding_forward_ops(const ModelSpec& m, const LayerShape& shape);
@@ -114,6 +126,21 @@ std::vector<LayerOp> head_forward_ops(const ModelSpec& m, const LayerShape& shap
 // equal chunks of the micro-batch's tokens whose fp32 [chunk x vocab_local] probabilities fit in
 // 1 GiB (the engine's working set: 16-bit logits, fp32 probabilities, 16-bit gradient).
 int64_t fused_cross_entropy_chunk_tokens(int64_t tokens, int64_t vocab_local);
+
+// The separate kernel a GEMM epilogue replaces, as the op the layer has without
+// model.gemm_epilogues, at `e` bytes per element, for the GEMM op (its forward shape [m x k] x
+// [k x n], repeated batch times):
+//   gelu_aux_bias (forward, on [m x n]) and dgelu (dgrad, on its output [m x k]): the "gelu" op
+//     (its forward 2 e, its backward gelu_backward 3 e per element);
+//   bias_residual (forward, [m x n]): the residual add (3 e per element; its backward, the
+//     gradient sum at the fork, stays an op of the layer);
+//   bgradb (wgrad, the bias of width n over m rows): a backward-only "bias_grads" op (kernel
+//     bias_grad, e per element of [m x n]).
+// The device model prices an epilogue the profile has no rows for as the plain GEMM plus this op
+// (its forward for a forward epilogue, its backward otherwise). Throws on an unknown epilogue.
+LayerOp epilogue_replaced_op(const std::string& epilogue, const LayerOp& gemm, double e);
+// The GEMM without its epilogues (their bytes taken out of memory_bytes).
+LayerOp plain_gemm(const LayerOp& gemm);
 
 
 struct OpsCost {

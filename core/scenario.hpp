@@ -64,6 +64,16 @@ struct ModelSpec {
   //    fused_cross_entropy_chunk_tokens; backends/torch/fused_cross_entropy.*).
   enum class CrossEntropy { unfused, fused, fused_linear } cross_entropy = CrossEntropy::unfused;
   bool fused_cross_entropy() const { return cross_entropy == CrossEntropy::fused_linear; }
+  // `model.cross_entropy_kernel` (fused_linear only): each chunk's cross-entropy as one CUDA kernel
+  // on the 16-bit logits (dssim's engine on GPUs, backends/torch/cross_entropy_cuda.cu): no fp32
+  // copy of the chunk's logits (core/memory.cpp). false: ATen's ops through fp32.
+  bool cross_entropy_kernel = false;
+  // `model.gemm_epilogues`: the block's bias, GELU, residual and bias gradients in the GEMMs'
+  // epilogues and q, k, v dense (dssim's torch engine on GPUs with cuBLASLt,
+  // backends/torch/gemm_epilogues.hpp; Megatron and DeepSpeed run them as separate kernels). It
+  // changes only GELU MLPs with biases (block_epilogues()); elsewhere it has no effect.
+  bool gemm_epilogues = false;
+  bool block_epilogues() const { return gemm_epilogues && !swiglu && bias; }
   // Dropout probability of the hidden, attention and embedding dropouts (Megatron applies one
   // value to all). 0 = none (modern LLM pre-training, and dssim's torch engine); > 0 keeps
   // Korthikanti's 1-byte masks and runs the dropout kernels.

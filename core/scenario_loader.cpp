@@ -215,6 +215,8 @@ const std::vector<Field>& fields() {
                               : v == "fused"      ? ModelSpec::CrossEntropy::fused
                                                   : ModelSpec::CrossEntropy::unfused;
     });
+    add("model.cross_entropy_kernel", [](Scenario& s, const Entry& e) { s.model.cross_entropy_kernel = get_bool(e); });
+    add("model.gemm_epilogues", [](Scenario& s, const Entry& e) { s.model.gemm_epilogues = get_bool(e); });
     // Llama-shaped layers (core/model.cpp [L]).
     add("model.kv_heads", [](Scenario& s, const Entry& e) { s.model.kv_heads = get_int32(e, 1); });
     add("model.mlp", [](Scenario& s, const Entry& e) { s.model.swiglu = get_enum(e, {"gelu", "swiglu"}) == "swiglu"; });
@@ -989,6 +991,9 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "position" << YAML::Value << (m.rotary ? "rotary" : "learned");
   y << YAML::Key << "bias" << YAML::Value << m.bias;
   y << YAML::Key << "elementwise" << YAML::Value << (m.eager_elementwise ? "eager" : "fused");
+  // The engine's fused kernels, written only when on (a record of a run that took them).
+  if (m.cross_entropy_kernel) y << YAML::Key << "cross_entropy_kernel" << YAML::Value << true;
+  if (m.gemm_epilogues) y << YAML::Key << "gemm_epilogues" << YAML::Value << true;
   y << YAML::EndMap;
   const auto& t = s.training;
   y << YAML::Key << "training" << YAML::Value << YAML::BeginMap;

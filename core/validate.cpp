@@ -150,6 +150,12 @@ void validate(const Scenario& s, const KeyLocator& where) {
       << " is a probability: it must be in [0, 1); Megatron's GPT default is 0.1, 0 turns dropout off";
     fail();
   }
+  if (m.cross_entropy_kernel && !m.fused_cross_entropy()) {
+    o << "model.cross_entropy_kernel" << at("model.cross_entropy_kernel") << " is the fused linear cross-entropy's "
+      << "chunk kernel, but model.cross_entropy is " << to_string(m.cross_entropy) << at("model.cross_entropy")
+      << "; set model.cross_entropy: fused_linear or drop model.cross_entropy_kernel";
+    fail();
+  }
   if (m.experts < 0) c.non_negative("model.experts", m.experts);
   if (m.is_moe()) {
     if (m.top_k < 1 || m.top_k > m.experts) {

@@ -2,6 +2,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include "core/device_profile.hpp"
 #include "core/model.hpp"
 #include "core/scenario_loader.hpp"
 
@@ -31,6 +32,14 @@ inline std::string tiny_yaml(const std::string& parallel = "  tp: 1\n  pp: 1\n",
          "parallel:\n" + parallel + extra + "cluster:\n" + cluster;
 }
 
+// tiny_yaml() with its model section written out as `model: {preset: tiny}` plus `keys` (lines
+// indented by two spaces).
+inline std::string tiny_yaml_with_model(const std::string& keys) {
+  std::string y = tiny_yaml();
+  y.replace(y.find("model: tiny\n"), 12, "model:\n  preset: tiny\n" + keys);
+  return y;
+}
+
 // A bf16 GEMM LayerOp [m x k] x [k x n] ("mlp_up"): 2 m n k FLOPs, its three matrices' bytes.
 inline LayerOp gemm_op(double m, double n, double k) {
   LayerOp op;
@@ -40,6 +49,17 @@ inline LayerOp gemm_op(double m, double n, double k) {
   op.flops = 2 * m * n * k;
   op.memory_bytes = (m * k + k * n + m * n) * 2;
   return op;
+}
+
+// A device profile with the metadata a profile needs and no rows (the tests add theirs).
+inline DeviceProfile empty_profile() {
+  DeviceProfile p;
+  p.metadata.gpu = "Test GPU";
+  p.metadata.backend = "cuda";
+  p.metadata.date = "2026-01-01T00:00:00Z";
+  p.metadata.tool = "built in tests";
+  p.metadata.torch_version = "2.11.0";
+  return p;
 }
 
 inline bool has_warning_with(const Scenario& s, const std::string& text) {

@@ -261,15 +261,7 @@ BandwidthPoint bw_row(const std::string& op, Dtype dtype, double bytes, double r
   return b;
 }
 
-DeviceProfile base_profile() {
-  DeviceProfile p;
-  p.metadata.gpu = "Test GPU";
-  p.metadata.backend = "cuda";
-  p.metadata.date = "2026-01-01T00:00:00Z";
-  p.metadata.tool = "built in tests";
-  p.metadata.torch_version = "2.11.0";
-  return p;
-}
+DeviceProfile base_profile() { return dssim::test::empty_profile(); }
 
 // Forward / dgrad / wgrad rows at m = 1024, 2048, 4096 and n = k = 4096, each pass its own rates.
 const double kFwd[] = {2.0e14, 4.0e14, 6.0e14}, kDgrad[] = {1.5e14, 3.0e14, 5.0e14}, kWgrad[] = {1.0e14, 2.5e14, 4.0e14};

@@ -389,6 +389,24 @@ TEST_CASE("fused linear cross-entropy: one chunk's logits and the head's gradien
   CHECK(peak_memory(one).total() < peak_memory(plain).total() - 8.0 * T * V);
 }
 
+TEST_CASE("model.cross_entropy_kernel: the fused linear chunk holds its 16-bit logits and gradient only", "[memory]") {
+  ModelSpec m = gpt(24, 2048, 16);
+  m.dropout = 0;
+  m.cross_entropy = ModelSpec::CrossEntropy::fused_linear;
+  m.cross_entropy_kernel = true;
+  Scenario one = scenario(m, 1, 1, 1, 1);
+  one.training.micro_batch = 8;
+  const double T = 8 * 2048.0, V = 51200, h = 2048, chunk = 4096;
+  // 2 bytes of logits and 2 of gradient per logit (fp16 here), a float loss per row, and the
+  // head's gradients kept from the forward, as without the kernel.
+  CHECK(peak_memory(one).temporaries == Approx(2 * 2 * chunk * V + 4 * chunk + 2 * (T * h + V * h)));
+  Scenario bf = one;
+  bf.precision.dtype = Dtype::bf16;
+  CHECK(peak_memory(bf).temporaries == Approx(2 * 2 * chunk * V + 4 * chunk + 2 * (T * h + V * h)));
+  bf.model.cross_entropy_kernel = false;  // ATen's ops: bf16 cast to fp32, fp32 probabilities, 16-bit gradient
+  CHECK(peak_memory(bf).temporaries == Approx((8 + 2) * chunk * V + 2 * (T * h + V * h)));
+}
+
 TEST_CASE("fused cross-entropy on 16-bit logits: the logits and their gradient, 2 x e b s V, on the last stage", "[memory]") {
   ModelSpec m = gpt(24, 2048, 16);
   m.dropout = 0;
