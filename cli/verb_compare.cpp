@@ -98,6 +98,7 @@ int verb_compare(int argc, char** argv) {
         measured = read_json("--run-json", path);
         if (!measured.contains("extras") || !measured["extras"].contains("measured"))
           throw ConfigError("--run-json: " + path + " is not a `dssim run --json` report (no extras.measured)");
+        validation::apply_measured_kernels(sc, measured);  // the record's scenario says what ran
         std::string gpu = vm["gpu-name"].as<std::string>();
         if (gpu.empty()) gpu = measured.value("backend", std::string()) == "cuda" ? sc.cluster.gpu.name : "cpu";
         record = validation::make_record(sc, measured, gpu, "dssim run " + vm["file"].as<std::string>() + " --json");
@@ -129,6 +130,7 @@ int verb_compare(int argc, char** argv) {
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("`dssim run --json` printed no JSON report: ") + e.what());
       }
+      validation::apply_measured_kernels(sc, measured);
       std::string gpu = vm["gpu-name"].as<std::string>();
       if (gpu.empty()) gpu = backend == "cuda" ? sc.cluster.gpu.name : "cpu";
       record = validation::make_record(sc, measured, gpu, "dssim compare " + vm["file"].as<std::string>() +

@@ -17,9 +17,36 @@ std::map<std::string, double> seconds_by_kind(const RankProgram& rank, const std
   return out;
 }
 
+namespace {
+// The report's fields, when it has both (nullptr otherwise).
+const nlohmann::json* measured_kernels(const nlohmann::json& report) {
+  if (!report.contains("extras") || !report["extras"].contains("measured")) return nullptr;
+  const nlohmann::json& m = report["extras"]["measured"];
+  if (!m.contains("gemm_epilogues") || !m["gemm_epilogues"].is_string() || !m.contains("cross_entropy_kernel") ||
+      !m["cross_entropy_kernel"].is_boolean())
+    return nullptr;
+  return &m;
+}
+
+std::string kernels_line(const Scenario& sc) {
+  return std::string("priced with the run's kernels: GEMM epilogues ") + (sc.model.gemm_epilogues ? "on" : "off") +
+         ", cross-entropy kernel " + (sc.model.cross_entropy_kernel ? "on" : "off");
+}
+}  // namespace
+
+std::string apply_measured_kernels(Scenario& sc, const nlohmann::json& run_report) {
+  const nlohmann::json* m = measured_kernels(run_report);
+  if (!m) return "";
+  const std::string epilogues = (*m)["gemm_epilogues"].get<std::string>();
+  sc.model.gemm_epilogues = !epilogues.empty() && epilogues != "none" && epilogues != "off";
+  sc.model.cross_entropy_kernel = sc.model.fused_cross_entropy() && (*m)["cross_entropy_kernel"].get<bool>();
+  return kernels_line(sc);
+}
+
 Comparison compare(const Scenario& sc, const Prediction& p, const nlohmann::json& m) {
   Comparison c;
   c.scenario = sc.name;
+  if (measured_kernels(m)) c.kernels = kernels_line(sc);
   c.predictor = p.predictor;
   c.measured_backend = m.value("backend", std::string("?"));
   const nlohmann::json& meas = m.at("extras").at("measured");
@@ -82,6 +109,7 @@ nlohmann::json Comparison::to_json() const {
   j["scenario"] = scenario;
   j["predictor"] = predictor;
   j["measured_backend"] = measured_backend;
+  if (!kernels.empty()) j["kernels"] = kernels;
   j["kinds"] = pairs_json(kinds, "simulated_seconds", "measured_seconds");
   for (const Pair& q : totals)
     j[q.name] = {{"simulated", q.simulated}, {"measured", q.measured}, {"error", q.error()}};
@@ -93,7 +121,9 @@ std::string Comparison::to_text() const {
   std::ostringstream o;
   char buf[256];
   o << "dssim compare " << scenario << " - " << predictor << " prediction vs " << measured_backend
-    << " measurement, one iteration\n\n";
+    << " measurement, one iteration\n";
+  if (!kernels.empty()) o << kernels << "\n";
+  o << "\n";
   std::snprintf(buf, sizeof buf, "  %-28s %14s %14s %9s\n", "instruction kind", "predicted", "measured", "error");
   o << buf;
   for (const Pair& q : kinds) {
@@ -128,7 +158,9 @@ nlohmann::json make_record(const Scenario& sc, const nlohmann::json& measured, c
 Scenario record_scenario(const nlohmann::json& record, const std::string& source) {
   if (record.value("schema", std::string()) != "dssim.measurement/1")
     throw ConfigError(source + ": not a dssim measurement record (schema dssim.measurement/1)");
-  return load_scenario_from_string(record.at("scenario_yaml").get<std::string>(), {}, source);
+  Scenario sc = load_scenario_from_string(record.at("scenario_yaml").get<std::string>(), {}, source);
+  if (record.contains("report")) apply_measured_kernels(sc, record["report"]);
+  return sc;
 }
 
 }  // namespace dssim::validation

@@ -31,6 +31,9 @@ struct Pair {
 
 struct Comparison {
   std::string scenario, predictor, measured_backend;
+  // The fused kernels the measured run took and the prediction priced (apply_measured_kernels);
+  // empty for reports that do not say.
+  std::string kernels;
   std::vector<Pair> kinds;     // per instruction kind, seconds per iteration
   std::vector<Pair> totals;    // iteration_seconds, tokens_per_second, model_tflops_per_gpu
   std::vector<Pair> memory;    // peak per category and total, bytes
@@ -38,7 +41,17 @@ struct Comparison {
   std::string to_text() const;
 };
 
-// `measured` is a `dssim run --json` report (its extras.measured section).
+// The fused GPU kernels a `dssim run --json` report says its run took, set on the scenario so
+// that the prediction prices what ran (the measured run's kernels win over the scenario's keys):
+// model.gemm_epilogues = extras.measured.gemm_epilogues present and not "none" (built without
+// cuBLASLt) or "off" (turned off; any letters, "fgb" or a part of it, count as on), and
+// model.cross_entropy_kernel = extras.measured.cross_entropy_kernel where model.cross_entropy is
+// fused_linear. Reports without these fields (runs before them, CPU runs) leave the scenario as it
+// is. Returns the line that says what was priced ("" when the report does not say).
+std::string apply_measured_kernels(Scenario& sc, const nlohmann::json& run_report);
+
+// `measured` is a `dssim run --json` report (its extras.measured section); `sc` as predicted
+// (after apply_measured_kernels).
 Comparison compare(const Scenario& sc, const Prediction& predicted, const nlohmann::json& measured);
 
 // A measurement record: what `dssim compare --record` writes and validation/measured/ holds.
@@ -46,6 +59,8 @@ Comparison compare(const Scenario& sc, const Prediction& predicted, const nlohma
 //    "scenario_yaml": <the resolved scenario>, "report": <dssim run --json>}
 nlohmann::json make_record(const Scenario& sc, const nlohmann::json& measured, const std::string& gpu,
                            const std::string& command);
+// The record's scenario, with apply_measured_kernels of its report (a no-op for records whose
+// scenario was written with them, and for reports that predate the fields).
 Scenario record_scenario(const nlohmann::json& record, const std::string& source);
 
 }  // namespace dssim::validation
