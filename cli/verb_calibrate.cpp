@@ -24,8 +24,8 @@ const char* kUsage =
     "  --device N             CUDA device index (default 0)\n"
     "  --seconds-per-point S  timing budget of one measured point (default 0.05)\n"
     "  --no-collectives       skip NCCL collectives even with several GPUs\n"
-    "  --only LIST            measure only these families: gemm, attention, elementwise, backward,\n"
-    "                         moe, optimizer, host, copies, collectives (comma-separated)\n"
+    "  --only LIST            measure only these families: gemm, epilogues, attention, elementwise,\n"
+    "                         backward, moe, optimizer, host, copies, collectives (comma-separated)\n"
     "  --merge FILE           start from the profile FILE and replace only the rows measured now\n"
     "                         (its other rows and metadata kept; a note records the merge)\n"
     "  --quiet                no progress lines on stderr\n"
@@ -94,10 +94,10 @@ int verb_calibrate(int argc, char** argv) {
       if (!value(s) || s.empty()) return fail("--only needs a list of families (e.g. moe)");
       std::stringstream ss(s);
       while (std::getline(ss, item, ',')) {
-        static const std::vector<std::string> known = {"gemm", "attention", "elementwise", "backward", "moe",
-                                                       "optimizer", "host", "copies", "collectives"};
+        static const std::vector<std::string> known = {"gemm",      "epilogues", "attention", "elementwise", "backward",
+                                                       "moe",       "optimizer", "host",      "copies",      "collectives"};
         if (std::find(known.begin(), known.end(), item) == known.end())
-          return fail("--only: unknown family '" + item + "' (gemm, attention, elementwise, backward, moe, optimizer, "
+          return fail("--only: unknown family '" + item + "' (gemm, epilogues, attention, elementwise, backward, moe, optimizer, "
                       "host, copies, collectives)");
         o.only.push_back(item);
       }
@@ -120,6 +120,13 @@ int verb_calibrate(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dssim calibrate: failed: %s\n", e.what());
     return 1;
+  }
+  if (p.gemm.empty() && p.attention.empty() && p.elementwise.empty() && p.copy.empty() && p.collectives.empty()) {
+    // Every family asked for was skipped (--only epilogues on a CPU, collectives on one GPU): say
+    // why and write nothing.
+    std::fprintf(stderr, "dssim calibrate: nothing was measured, no profile written%s\n",
+                 p.metadata.notes.empty() ? "" : (" (" + p.metadata.notes.back() + ")").c_str());
+    return 2;
   }
   if (!merge.empty()) {
     try {

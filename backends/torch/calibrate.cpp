@@ -1,5 +1,6 @@
 #include "backends/torch/calibrate.hpp"
 #include "backends/torch/fused_cross_entropy.hpp"
+#include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
 
@@ -325,6 +326,97 @@ void measure_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& d
                fmt(best[1] / 1e12, "TFLOP/s") + " dgrad, " + fmt(best[2] / 1e12, "TFLOP/s") +
                " wgrad; (dgrad + wgrad) / 2 forward: median " + fmt(ratio.empty() ? 0.0 : ratio[ratio.size() / 2], "") +
                "(" + fmt(total - forward_seconds, "s") + ")");
+  }
+}
+
+// The fused block's GEMMs as dssim's engine runs them on GPUs (gemm_epilogues.hpp), one row per
+// GEMM at the forward op's (m, n, k) with its pass and epilogue, FLOPs 2 m n k (the epilogue's work
+// is inside the row's time):
+//   mlp_up          forward gelu_aux_bias   pre = x W1^T + b1, m = gelu(pre)
+//   mlp_down        forward bias_residual   out = m W2^T + b2 + residual;  dgrad dgelu (dpre = (dy W2) gelu'(pre))
+//   attention_proj  forward bias_residual
+//   every linear    wgrad bgradb            dW = dy^T x, db = sum(dy)
+// On the gemm family's grid of shapes. Where the first GEMM would not run fused (a CPU, fp32, a
+// build without cuBLASLt, DSSIM_GEMM_EPILOGUES=0) the family records nothing and says why.
+void measure_epilogue_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer,
+                            DeviceProfile& p) {
+  struct Shape {
+    std::string op, epilogue;
+    GemmPass pass;
+    int64_t m, n, k;
+    bool operator<(const Shape& x) const {
+      return std::tie(epilogue, pass, m, n, k) < std::tie(x.epilogue, x.pass, x.m, x.n, x.k);
+    }
+  };
+  std::set<Shape> shapes;  // distinct (epilogue, pass, m, n, k); the first op that asks names it
+  for (int h : g.hidden)
+    for (int t : g.tp) {
+      if (h % t || h / t < 16) continue;
+      for (int T : g.tokens) {
+        shapes.insert({"mlp_up", "gelu_aux_bias", GemmPass::forward, T, 4 * h / t, h});
+        shapes.insert({"mlp_down", "bias_residual", GemmPass::forward, T, h, 4 * h / t});
+        shapes.insert({"attention_proj", "bias_residual", GemmPass::forward, T, h, h / t});
+        shapes.insert({"mlp_down", "dgelu", GemmPass::dgrad, T, h, 4 * h / t});
+        shapes.insert({"qkv", "bgradb", GemmPass::wgrad, T, 3 * h / t, h});
+        shapes.insert({"attention_proj", "bgradb", GemmPass::wgrad, T, h, h / t});
+        shapes.insert({"mlp_up", "bgradb", GemmPass::wgrad, T, 4 * h / t, h});
+        shapes.insert({"mlp_down", "bgradb", GemmPass::wgrad, T, h, 4 * h / t});
+      }
+    }
+  for (Dtype dtype : o.dtypes) {
+    if (dtype == Dtype::fp32) continue;  // the engine fuses 16-bit GEMMs only
+    const auto t0 = Clock::now();
+    const auto opts = at::TensorOptions().dtype(scalar_type(dtype)).device(dev);
+    int rows = 0;
+    std::string refused;
+    for (const auto& s : shapes) {
+      // Forward operands x [m x k], W [n x k]; the backward's dy [m x n]. Each GEMM runs once
+      // before timing: false means it would not run fused.
+      at::Tensor x = at::randn({s.m, s.k}, opts), w = at::randn({s.n, s.k}, opts), b = at::randn({s.n}, opts);
+      std::function<bool()> gemm;
+      at::Tensor out, aux, dw, db;
+      if (s.epilogue == "gelu_aux_bias") {
+        out = at::empty({s.m, s.n}, opts), aux = at::empty({s.m, s.n}, opts);
+        gemm = [&] { return gemm_gelu_aux_bias(x, w, b, out, aux); };
+      } else if (s.epilogue == "bias_residual") {
+        out = at::empty({s.m, s.n}, opts), aux = at::randn({s.m, s.n}, opts);
+        gemm = [&] { return gemm_bias_residual(x, w, b, aux, out); };
+      } else if (s.epilogue == "dgelu") {
+        out = at::randn({s.m, s.n}, opts), aux = at::randn({s.m, s.k}, opts), dw = at::empty({s.m, s.k}, opts);
+        gemm = [&] { return gemm_dgelu(out, w, aux, dw); };
+      } else {
+        out = at::randn({s.m, s.n}, opts), dw = at::empty({s.n, s.k}, opts), db = at::empty({s.n}, opts);
+        gemm = [&] { return gemm_bgradb(out, x, dw, db); };
+      }
+      if (!gemm()) {
+        refused = s.op + " " + s.epilogue + " at m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                  std::to_string(s.k);
+        if (rows == 0) break;  // nothing fuses here
+        continue;
+      }
+      GemmPoint pt;
+      pt.op = s.op;
+      pt.dtype = dtype;
+      pt.pass = s.pass;
+      pt.epilogue = s.epilogue;
+      pt.m = double(s.m), pt.n = double(s.n), pt.k = double(s.k);
+      pt.seconds = timer.measure([&] { gemm(); }, s.pass == GemmPass::forward ? o.seconds_per_point : o.seconds_per_point / 2);
+      pt.flops_per_second = 2.0 * pt.m * pt.n * pt.k / pt.seconds;
+      p.gemm.push_back(pt);
+      ++rows;
+    }
+    const std::string d = to_string(dtype);
+    if (rows == 0) {
+      const std::string why = gemm_epilogues_mode().empty() ? "this dssim has no cuBLASLt epilogues (a CUDA libtorch and the CUDA toolkit at build time)"
+                              : gemm_epilogues_mode() == "off"    ? "DSSIM_GEMM_EPILOGUES=0"
+                                                                  : "not run fused on this device (" + refused + ")";
+      p.metadata.notes.push_back("epilogue GEMMs " + d + ": not measured (" + why + ")");
+      say(o, "epilogue gemm " + d + ": skipped (" + why + ")");
+      continue;
+    }
+    if (!refused.empty()) p.metadata.notes.push_back("epilogue GEMMs " + d + ": cuBLASLt refused " + refused + " (and possibly others)");
+    say(o, "epilogue gemm " + d + ": " + std::to_string(rows) + " GEMMs with bias / GELU / residual / bias-gradient epilogues (" +
+               fmt(seconds_since(t0), "s") + ")");
   }
 }
 
@@ -962,6 +1054,7 @@ DeviceProfile calibrate(const CalibrateOptions& in) {
     return o.only.empty() || std::find(o.only.begin(), o.only.end(), family) != o.only.end();
   };
   if (want("gemm")) measure_gemms(o, g, dev, timer, p);
+  if (want("epilogues")) measure_epilogue_gemms(o, g, dev, timer, p);
   if (want("attention")) {
     measure_attention(o, g, dev, timer, p);
     measure_attention_backward(o, g, dev, timer, p);

@@ -27,7 +27,7 @@ struct CalibrateOptions {
   int device = 0;                      // CUDA device index
   double seconds_per_point = 0.05;     // timing budget of one measured point (after warm-up)
   bool collectives = true;             // NCCL collectives when > 1 GPU (and NCCL was built in)
-  // Families to measure (empty: all): gemm, attention, elementwise, backward, moe, optimizer,
+  // Families to measure (empty: all): gemm, epilogues, attention, elementwise, backward, moe, optimizer,
   // host, copies, collectives.
   std::vector<std::string> only;
   std::string command_line;            // recorded in metadata.tool
