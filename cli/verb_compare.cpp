@@ -26,6 +26,15 @@ namespace dssim::cli {
 
 namespace {
 
+// The GPU a record names: the run's own (`dssim run --backend cuda` reports measured.device), else
+// the scenario's; "cpu" for a CPU run.
+std::string measured_gpu_name(const Scenario& sc, const nlohmann::json& run) {
+  if (run.value("backend", std::string()) != "cuda") return "cpu";
+  const auto& m = run.at("extras").at("measured");
+  const std::string device = m.value("device", std::string());
+  return device.empty() ? sc.cluster.gpu.name : device;
+}
+
 // A JSON file named by an option, with errors that say which option and file.
 nlohmann::json read_json(const std::string& option, const std::string& path) {
   std::ifstream in(path);
@@ -100,7 +109,7 @@ int verb_compare(int argc, char** argv) {
           throw ConfigError("--run-json: " + path + " is not a `dssim run --json` report (no extras.measured)");
         validation::apply_measured_kernels(sc, measured);  // the record's scenario says what ran
         std::string gpu = vm["gpu-name"].as<std::string>();
-        if (gpu.empty()) gpu = measured.value("backend", std::string()) == "cuda" ? sc.cluster.gpu.name : "cpu";
+        if (gpu.empty()) gpu = measured_gpu_name(sc, measured);
         record = validation::make_record(sc, measured, gpu, "dssim run " + vm["file"].as<std::string>() + " --json");
       }
     }
@@ -132,7 +141,7 @@ int verb_compare(int argc, char** argv) {
       }
       validation::apply_measured_kernels(sc, measured);
       std::string gpu = vm["gpu-name"].as<std::string>();
-      if (gpu.empty()) gpu = backend == "cuda" ? sc.cluster.gpu.name : "cpu";
+      if (gpu.empty()) gpu = measured_gpu_name(sc, measured);
       record = validation::make_record(sc, measured, gpu, "dssim compare " + vm["file"].as<std::string>() +
                                                              " --backend " + backend);
     }

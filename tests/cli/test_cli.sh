@@ -346,6 +346,33 @@ for k in ("copy_d2h", "exposed_offload", "host_optimizer_step", "backward"):
 assert abs(c["iteration_seconds"]["error"]) < 0.05, c["iteration_seconds"]
 PY
     ;;
+  compare_record_gpu_name)
+    # A record names the GPU the run reports (measured.device), else the scenario's GPU; the
+    # run's fused kernels (measured.gemm_epilogues) price the prediction and land in the record's
+    # scenario.
+    rec=validation/measured/h100_350m_onebit.json
+    sc=validation/measured/scenarios/h100_350m_onebit.yaml
+    python3 - "$rec" "$TMP/with.json" "$TMP/without.json" <<'PY' || fail "could not write the runs"
+import json, sys
+run = json.load(open(sys.argv[1]))["report"]
+run["extras"]["measured"]["device"] = "NVIDIA H100 80GB HBM3"
+json.dump(run, open(sys.argv[2], "w"))
+del run["extras"]["measured"]["device"]
+json.dump(run, open(sys.argv[3], "w"))
+PY
+    run compare "$sc" --run-json "$TMP/with.json" --record "$TMP/outdir/with.json"
+    expect_rc 0
+    expect_out "GEMM epilogues on"
+    run compare "$sc" --run-json "$TMP/without.json" --record "$TMP/outdir/without.json"
+    expect_rc 0
+    python3 - "$TMP/outdir/with.json" "$TMP/outdir/without.json" <<'PY' || fail "record check failed"
+import json, sys
+w, wo = (json.load(open(p)) for p in sys.argv[1:3])
+assert w["gpu"] == "NVIDIA H100 80GB HBM3", w["gpu"]
+assert wo["gpu"] == "H100-SXM", wo["gpu"]
+assert "gemm_epilogues: true" in w["scenario_yaml"], w["scenario_yaml"]
+PY
+    ;;
   compare_bad_input)
     run compare scenarios/tiny/tiny_dp1.yaml
     expect_rc 2
