@@ -41,9 +41,6 @@ struct Unmodelled {
 const std::vector<Unmodelled>& unmodelled() {
   static const std::vector<Unmodelled> u = {
       {"seq_parallel_communication_data_type", json(), "the dtype of sequence-parallel collectives (traffic)"},
-      // fp32 accumulation is what dssim models for 16-bit training (core/memory.cpp)
-      {"data_types.grad_accum_dtype", json("fp32"), "the gradient accumulation buffer dtype (memory)"},
-      {"gradient_accumulation_dtype", json("fp32"), "the gradient accumulation buffer dtype (memory)"},
       {"bf16.bf16_master_weights_and_grads", json(false), "bf16 master weights and gradients (memory)"},
       {"bf16.bf16_optimizer_states", json(false), "bf16 optimizer states (memory)"},
       {"bf16.immediate_grad_update", json(false), "gradient update timing (memory)"},
@@ -114,7 +111,7 @@ const std::set<std::string> kMapped = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "moe", "activation_checkpointing",
     "tensor_parallel", "sequence_parallel_size", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "communication_data_type"};
+    "communication_data_type", "data_types", "gradient_accumulation_dtype"};
 
 struct Mapper {
   std::string origin;
@@ -586,6 +583,21 @@ struct Mapper {
     else fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
   }
 
+  // DeepSpeed's gradient_accumulation_dtype (data_types.grad_accum_dtype, DtypeEnum's names, any
+  // case): ZeRO-3's gradient partition dtype (zero.grad_accum_dtype). fp32 -> fp32; the 16-bit
+  // names -> the training dtype, DeepSpeed's default with ZeRO. Stages 0-2 keep dssim's rules.
+  void grad_accum_dtype(const std::string& k, const json& v) {
+    if (v.is_null()) return;
+    if (is_auto(v)) { keep_auto("zero.grad_accum_dtype", k); return; }
+    if (!v.is_string()) fail(k, "expected \"fp32\", \"fp16\" or \"bf16\", got " + v.dump());
+    const std::string t = lower(v.get<std::string>());
+    if (t == "fp32" || t == "float32" || t == "float") set("zero.grad_accum_dtype", k, YAML::Node("fp32"));
+    else if (t == "fp16" || t == "float16" || t == "half" || t == "bf16" || t == "bfloat16" || t == "bfp16")
+      set("zero.grad_accum_dtype", k, YAML::Node("model"));
+    else if (looks_like_template(v.get<std::string>())) throw ConfigError(origin + ": " + template_message(k, v.dump()));
+    else fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
+  }
+
   void run(const json& root) {
     if (!root.is_object()) throw ConfigError(origin + ": a ds_config must be a JSON object");
     // A JSON file none of whose (several) top-level keys DeepSpeed knows is not a ds_config.
@@ -612,6 +624,13 @@ struct Mapper {
         map(key, k, v, Kind::Integer);
       } else if (k == "gradient_clipping") map("training.gradient_clipping", k, v, Kind::Number);
       else if (k == "communication_data_type") communication_data_type(v);
+      else if (k == "gradient_accumulation_dtype") grad_accum_dtype(k, v);
+      else if (k == "data_types") {
+        if (!v.is_object()) fail(k, "expected an object such as {\"grad_accum_dtype\": \"fp32\"}, got " + v.dump());
+        for (auto it = v.begin(); it != v.end(); ++it)
+          if (it.key() == "grad_accum_dtype") grad_accum_dtype(join(k, it.key()), it.value());
+          else ignore(join(k, it.key()), it.value());
+      }
       else if (k == "zero_optimization") zero(v);
       else if (k == "fp16" || k == "bf16") continue;  // precision() above
       else if (k == "bfloat16" && !root.contains("bf16")) continue;
@@ -829,6 +848,7 @@ nlohmann::json to_deepspeed_config(const Scenario& sc) {
     j["fp16"] = {{"enabled", false}};
   }
   if (sc.precision.communication_dtype) j["communication_data_type"] = to_string(*sc.precision.communication_dtype);
+  if (sc.zero.grad_accum_fp32) j["data_types"]["grad_accum_dtype"] = "fp32";
   const ZeroSpec& z = sc.zero;
   json zo = {{"stage", z.stage}, {"overlap_comm", z.overlap_comm}, {"reduce_bucket_size", z.reduce_bucket_size},
              {"allgather_bucket_size", z.allgather_bucket_size}};

@@ -294,14 +294,21 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // Gradients [Z]: full for stages 0-1, partitioned for 2-3. With optimizer offload (stage >= 2)
   // each reduced partition goes straight to the host fp32 gradient buffer [ZO].
   // dssim's ZeRO-3 engine keeps no 16-bit gradients between layers: each layer group's are reduced
-  // (or folded) into the fp32 buffer after its backward (see temporaries).
+  // (or folded) into the gradient partition after its backward (see temporaries).
+  // DeepSpeed's ZeRO-3 keeps the reduced gradients of its shard in a flat buffer of
+  // gradient_accumulation_dtype across the micro-batches [DS stage3.py grad_partitions_flat_buffer]:
+  // the training dtype by default (engine.py get_data_types), fp32 with zero.grad_accum_dtype: fp32
+  // (below). FSDP keeps fp32 sharded gradients (its fp32 sharded parameters' .grad): as the fp32 case.
   if (zstage < 2)
     mb.grads = gb * train;
   else if (zstage == 2)
     mb.grads = z.offload_optimizer ? 0 : gb * train_shard;
+  else if (z.model_dtype_grad_partition())
+    mb.grads = gb * train_shard;
   // [DS bf16_optimizer.py] DeepSpeed's BF16_Optimizer (bf16, ZeRO 0/1) keeps a persistent fp32
   // gradient buffer (grad_acc_dtype fp32) besides the 16-bit gradients; dssim's torch engine keeps
-  // one for the rank's optimizer shard at stage 3 (the reduced gradients land there), and at stages
+  // one for the rank's optimizer shard at stage 3 with zero.grad_accum_dtype: fp32 (the reduced
+  // gradients land there; FSDP: its fp32 sharded gradients), and at stages
   // 0/1 only where it does not step the 16-bit buckets in place (steps_gradient_buckets_in_place:
   // 1-bit Adam, MoE). Its step reads 16-bit gradients where they are (stage 2: the partition), so
   // it makes no fp32 copy of them (DeepSpeed's ZeRO optimizer does, at the step).
@@ -310,7 +317,8 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   // with dp = 1, the runs measured here).
   const bool fp32_grad_buffer =
       mixed && !z.offload_optimizer &&
-      (zstage == 3 || uses_bf16_optimizer(sc) || (zstage <= 1 && !steps_gradient_buckets_in_place(sc)));
+      ((zstage == 3 && (z.engine == ZeroEngine::fsdp || z.grad_accum_fp32)) || uses_bf16_optimizer(sc) ||
+       (zstage <= 1 && !steps_gradient_buckets_in_place(sc)));
   const bool bf16_optimizer = sc.precision.dtype == Dtype::bf16 && zstage < 2;
   if (fp32_grad_buffer) mb.grads += 4 * (bf16_optimizer ? train : opt_elems);
 
@@ -422,7 +430,7 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     }
   }
   // ZeRO-3: the 16-bit gradients of the layer groups in backward at once, before the reduce-scatter
-  // (or, on one rank, the fold into the fp32 buffer) frees them: at the head's backward, the last
+  // (or, on one rank, the fold into the gradient partition) frees them: at the head's backward, the last
   // layer's group and the tied embedding's (the largest module and two layers); with a
   // reduce-scatter in flight, its input copy too.
   if (zstage == 3) {

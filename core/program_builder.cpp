@@ -1008,11 +1008,13 @@ class Builder {
     } else {
       Instruction o = make(Op::OptimizerStep, Stream::Compute, Purpose::None);
       o.flops = shard * kAdamFlopsPerParam;
-      // Stages 0-2 read the g-byte gradients in place unless an fp32 accumulator is kept (stage 3:
-      // folded in backward, op_list; stages 0/1 with 1-bit Adam or MoE: folded at the step).
+      // Stages 0-2 and DeepSpeed's stage 3 read the g-byte gradients in place unless an fp32
+      // accumulator is kept (stage 3 with zero.grad_accum_dtype fp32, FSDP: folded in backward,
+      // op_list; stages 0/1 with 1-bit Adam or MoE: folded at the step).
       DeviceStep step;
       step.g = g_, step.zero_stage = zero_, step.fused = sc_.optimizer.fused_step, step.onebit = onebit_;
-      step.in_place = step.fused && (zero_ == 2 || steps_gradient_buckets_in_place(sc_));
+      step.in_place = step.fused && (zero_ == 2 || sc_.zero.model_dtype_grad_partition() ||
+                                     steps_gradient_buckets_in_place(sc_));
       step.norm = step_takes_norm();
       o.memory_bytes = shard * device_step_bytes_per_param(step);
       updated = add(x, o, {x.last_reduce, emb});

@@ -157,6 +157,16 @@ struct ZeroSpec {
   bool quantized_gradients = false;  // qgZ: int4 hierarchical all-to-all reduce-scatter of gradients
   int hpz_partition_size = 1;        // hpZ: secondary parameter partition over this many DP ranks (1 = off)
   bool hpz() const { return stage == 3 && hpz_partition_size > 1; }
+  // `zero.grad_accum_dtype` (ds_config data_types.grad_accum_dtype): the dtype of DeepSpeed ZeRO-3's
+  // gradient partitions, which hold the reduced gradients across micro-batches. `model` (default,
+  // DeepSpeed's with ZeRO: engine.py get_data_types) the training dtype; `fp32` an fp32 buffer (4
+  // bytes per parameter of the shard). Stage 3 with the optimizer on the GPU only (offload keeps
+  // the host's fp32 buffer; stages 0-2 and FSDP have their own rules, core/memory.cpp).
+  bool grad_accum_fp32 = false;
+  // Stage 3 on DeepSpeed's engine, optimizer on the GPU, gradient partition in the training dtype.
+  bool model_dtype_grad_partition() const {
+    return stage == 3 && engine == ZeroEngine::deepspeed && !offload_optimizer && !grad_accum_fp32;
+  }
 };
 
 enum class Dtype { fp32, fp16, bf16 };

@@ -343,6 +343,9 @@ const std::vector<Field>& fields() {
     add("zero.quantized_weights", [](Scenario& s, const Entry& e) { s.zero.quantized_weights = get_bool(e); });
     add("zero.quantized_gradients", [](Scenario& s, const Entry& e) { s.zero.quantized_gradients = get_bool(e); });
     add("zero.hpz_partition_size", [](Scenario& s, const Entry& e) { s.zero.hpz_partition_size = get_int32(e, 1); });
+    add("zero.grad_accum_dtype", [](Scenario& s, const Entry& e) {
+      s.zero.grad_accum_fp32 = get_enum(e, {"model", "fp32"}) == "fp32";
+    });
     // precision
     add("precision.dtype", [](Scenario& s, const Entry& e) { s.precision.dtype = parse_dtype(e); });
     add("precision.communication_dtype", [](Scenario& s, const Entry& e) { s.precision.communication_dtype = parse_dtype(e); });
@@ -1028,6 +1031,7 @@ std::string to_yaml(const Scenario& s) {
   y << YAML::Key << "quantized_weights" << YAML::Value << z.quantized_weights;
   y << YAML::Key << "quantized_gradients" << YAML::Value << z.quantized_gradients;
   y << YAML::Key << "hpz_partition_size" << YAML::Value << z.hpz_partition_size;
+  y << YAML::Key << "grad_accum_dtype" << YAML::Value << (z.grad_accum_fp32 ? "fp32" : "model");
   y << YAML::EndMap;
   const auto& ls = s.precision.loss_scale;
   y << YAML::Key << "precision" << YAML::Value << YAML::BeginMap;

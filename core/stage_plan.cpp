@@ -238,9 +238,10 @@ class StagePlanner {
       ops.insert(ops.end(), e.begin(), e.end());
     }
     if (zero_ == 3) {
-      // ZeRO-3 reduces (on one rank: folds) each layer group's 16-bit gradients into the fp32
-      // buffer in every micro-batch's backward, and zero-fills the next micro-batch's: 2g + 8 bytes
-      // per parameter (the optimizer step then has no fold of its own).
+      // ZeRO-3 reduces (on one rank: folds) each layer group's 16-bit gradients into the gradient
+      // partition in every micro-batch's backward, and zero-fills the next micro-batch's: g to
+      // zero-fill, g read, the partition read and written (g bytes each in the training dtype,
+      // 4 with zero.grad_accum_dtype: fp32): 4g, or 2g + 8 (the optimizer step then has no fold).
       const double h = m_.hidden, t = t_;
       const FinetuneSpec& ft = sc_.finetune;
       double params = seg.layer_count * dense_layer_params(m_) / t;
@@ -254,7 +255,10 @@ class StagePlanner {
       LayerOp fold;
       fold.name = "zero3_gradient_fold";
       // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
-      fold.memory_bytes = (sc_.zero.offload_optimizer ? 3.0 * g_ : fold_bytes_per_param(g_)) * params;
+      const double fold_bytes = sc_.zero.offload_optimizer               ? 3.0 * g_
+                                : sc_.zero.model_dtype_grad_partition() ? 4.0 * g_
+                                                                        : fold_bytes_per_param(g_);
+      fold.memory_bytes = fold_bytes * params;
       fold.flops = params;
       fold.backward_only = true;
       ops.push_back(fold);

@@ -199,7 +199,11 @@ void ZeroState::allocate() {
   }
   exp_avg_ = at::zeros_like(master_);
   exp_avg_sq_ = at::zeros_like(master_);
-  if (!grad_acc_.defined() && !grads_in_place_) grad_acc_ = at::zeros(master_.sizes(), st32);
+  // Stage 3's gradient partition: the training dtype unless zero.grad_accum_dtype is fp32, as
+  // DeepSpeed's grad_partitions_flat_buffer (gradient_accumulation_dtype); stages 0/1 that fold at
+  // the step and offload keep fp32.
+  if (!grad_acc_.defined() && !grads_in_place_)
+    grad_acc_ = at::zeros(master_.sizes(), sc_.zero.model_dtype_grad_partition() ? dev16 : st32);
   if (offload_param_) shard16_ = shard16_.to(at::kCPU);
 }
 
@@ -783,8 +787,9 @@ at::Tensor ZeroState::step_gradient_buffer(double& pre) {
   drain_host_accumulation();
   if (bucket_bytes_ != 0) throw std::logic_error("ZeRO-2: gradient bucket buffers left at the step");
   // Stage 2 keeps its partition in 16 bits (DeepSpeed's averaged_gradients), stages 0/1 their
-  // reduced buckets (this rank's shard of grad16_, not yet averaged); stage 3 and offload an fp32
-  // accumulator. The step reads each where it is.
+  // reduced buckets (this rank's shard of grad16_, not yet averaged); stage 3 its partition in the
+  // training dtype (fp32 with zero.grad_accum_dtype: fp32), offload an fp32 accumulator. The step
+  // reads each where it is.
   at::Tensor acc = grad_acc_;
   if (grads_in_place_) {
     acc = stage_ == 0 ? grad16_ : grad16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel);

@@ -125,12 +125,13 @@ TEST_CASE("in-flight micro-batches: 1F1B and interleaved", "[memory]") {
     }
 }
 
-// ZeRO's accounting keeps 16-bit gradients (2 bytes per element, sharded from stage 2); dssim's
-// engine keeps a persistent fp32 gradient buffer for the optimizer's shard instead at stage 3; at
-// stages 0-2 its step reads the 16-bit gradients in place (no fp32 buffer, no fp32 copy).
-double engine_model_states(double psi, int stage, int n) {
+// ZeRO's accounting keeps 16-bit gradients (2 bytes per element, sharded from stage 2), as
+// DeepSpeed's stage 3 does by default (its gradient partition in the training dtype) and dssim's
+// engine; with zero.grad_accum_dtype: fp32 that partition is fp32 (4 bytes). At stages 0-2 the
+// engine's step reads the 16-bit gradients in place (no fp32 buffer, no fp32 copy).
+double engine_model_states(double psi, int stage, int n, bool fp32_partition = false) {
   const double zero = zero_model_state_bytes(psi, stage, n);
-  return stage < 3 ? zero : zero - 2 * psi / n + 4 * psi / n;
+  return stage == 3 && fp32_partition ? zero - 2 * psi / n + 4 * psi / n : zero;
 }
 
 TEST_CASE("ZeRO-3 7.5B on 64 GPUs: model states 1.88 GB", "[memory]") {
@@ -139,7 +140,12 @@ TEST_CASE("ZeRO-3 7.5B on 64 GPUs: model states 1.88 GB", "[memory]") {
   const double psi = parameter_count(sc.model);
   CHECK(zero_model_state_bytes(psi, 3, 64) / 1e9 == Approx(1.88).epsilon(0.01));
   CHECK(mb.model_states() == Approx(engine_model_states(psi, 3, 64)));
-  CHECK(mb.grads == Approx(4 * psi / 64));  // the fp32 buffer of the shard, no 16-bit gradients
+  CHECK(mb.model_states() / 1e9 == Approx(1.88).epsilon(0.01));  // the paper's figure itself
+  CHECK(mb.grads == Approx(2 * psi / 64));  // the shard's 16-bit gradient partition
+  Scenario fp32 = sc;
+  fp32.zero.grad_accum_fp32 = true;  // data_types.grad_accum_dtype: fp32
+  CHECK(peak_memory(fp32).grads == Approx(4 * psi / 64));
+  CHECK(peak_memory(fp32).model_states() == Approx(engine_model_states(psi, 3, 64, true)));
   CHECK(mb.params_gathered > 0);
   // the working set: the largest module (the vocab embedding) plus the prefetch bucket, 16-bit
   CHECK(mb.params_gathered >= 2.0 * (51200.0 * 4096 + sc.zero.prefetch_bucket_size));
@@ -450,7 +456,8 @@ TEST_CASE("ZeRO++ hpZ: each rank also keeps a 1/hpz secondary shard of the 16-bi
 
 // Issue 15: the engine's step reads the reduced 16-bit gradient buckets in place at stages 0/1
 // (core/memory.hpp steps_gradient_buckets_in_place); an fp32 gradient buffer stays where the
-// engine still keeps one: stage 3, 1-bit Adam, MoE, DeepSpeed's BF16_Optimizer.
+// engine still keeps one: stage 3 with zero.grad_accum_dtype: fp32, 1-bit Adam, MoE, DeepSpeed's
+// BF16_Optimizer.
 TEST_CASE("gradients: no fp32 accumulator at stages 0-2 where the step reads the 16-bit buckets in place", "[memory]") {
   const ModelSpec m = gpt(24, 2048, 16);
   const double psi = parameter_count(m);
@@ -464,10 +471,12 @@ TEST_CASE("gradients: no fp32 accumulator at stages 0-2 where the step reads the
       sc.training.global_batch = 8LL * ga;
       const MemoryBreakdown mb = peak_memory(sc);
       CHECK(steps_gradient_buckets_in_place(sc) == (stage <= 1));
-      // One rank: 2 bytes of 16-bit gradients per parameter at stages 0-2 (stage 2's partition is
-      // the whole model), the fp32 buffer alone at stage 3.
-      CHECK(mb.grads == Approx(stage < 3 ? 2 * psi : 4 * psi));
+      // One rank: 2 bytes of 16-bit gradients per parameter (stage 2's and stage 3's partition is
+      // the whole model); stage 3 with an fp32 partition 4 bytes, that buffer alone.
+      CHECK(mb.grads == Approx(2 * psi));
       CHECK(mb.optimizer == Approx(12 * psi));
+      sc.zero.grad_accum_fp32 = true;
+      CHECK(peak_memory(sc).grads == Approx(stage < 3 ? 2 * psi : 4 * psi));
     }
   }
   // 16 ranks, ZeRO-1 bf16: the 16-bit gradients whole, nothing else.

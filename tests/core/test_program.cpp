@@ -1307,22 +1307,26 @@ static double step_bytes_per_param(const Scenario& sc) {
 
 // Issue 15: the OptimizerStep's HBM bytes are those of the engine's one-pass step
 // (backends/torch/optimizer_kernels.hpp fused_adamw_step): the gradient read and cleared where it
-// lies (g-byte buckets at stages 0-2, the fp32 accumulator at stage 3), master and moments read and
-// written (24), the g-byte copy written; the global norm, when needed, reads the gradient once more.
+// lies (g-byte buckets at stages 0-2 and stage 3's partition; an fp32 partition with
+// zero.grad_accum_dtype: fp32), master and moments read and written (24), the g-byte copy written;
+// the global norm, when needed, reads the gradient once more.
 TEST_CASE("OptimizerStep bytes per parameter: the engine's fused step", "[program]") {
-  for (int stage = 0; stage <= 3; ++stage) {
-    INFO("stage " << stage);
-    Scenario sc = tiny(1, 1, 1, stage);
-    const double in_place = 24 + 2 + 2 * 2, acc32 = 24 + 2 + 2 * 4;  // 30, 34
-    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place : acc32).epsilon(1e-6));
-    sc.training.gradient_clipping = 1.0;  // the norm reads the gradient once
-    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
-    sc.training.gradient_clipping = 0;
-    sc.precision.dtype = Dtype::fp16;  // the overflow check's norm
-    CHECK(step_bytes_per_param(sc) == Approx(stage < 3 ? in_place + 2 : acc32 + 4).epsilon(1e-6));
-    sc.precision.dtype = Dtype::fp32;  // fp32 "16-bit" copy and gradients: 24 + 4 + 2 x 4
-    CHECK(step_bytes_per_param(sc) == Approx(36).epsilon(1e-6));
-  }
+  for (bool fp32_partition : {false, true})
+    for (int stage = 0; stage <= 3; ++stage) {
+      INFO("stage " << stage << (fp32_partition ? ", grad_accum_dtype fp32" : ""));
+      Scenario sc = tiny(1, 1, 1, stage);
+      sc.zero.grad_accum_fp32 = fp32_partition;  // stage 3's partition only
+      const bool acc = stage == 3 && fp32_partition;
+      const double in_place = 24 + 2 + 2 * 2, acc32 = 24 + 2 + 2 * 4;  // 30, 34
+      CHECK(step_bytes_per_param(sc) == Approx(acc ? acc32 : in_place).epsilon(1e-6));
+      sc.training.gradient_clipping = 1.0;  // the norm reads the gradient once
+      CHECK(step_bytes_per_param(sc) == Approx(acc ? acc32 + 4 : in_place + 2).epsilon(1e-6));
+      sc.training.gradient_clipping = 0;
+      sc.precision.dtype = Dtype::fp16;  // the overflow check's norm
+      CHECK(step_bytes_per_param(sc) == Approx(acc ? acc32 + 4 : in_place + 2).epsilon(1e-6));
+      sc.precision.dtype = Dtype::fp32;  // fp32 "16-bit" copy and gradients: 24 + 4 + 2 x 4
+      CHECK(step_bytes_per_param(sc) == Approx(36).epsilon(1e-6));
+    }
   // MoE at stage 1 keeps the fp32 accumulator: the fold at the step (2 x 2 + 8) and a 34-byte step.
   Scenario moe = tiny(1, 1, 1, 1);
   moe.model.experts = 4;
@@ -1354,4 +1358,27 @@ TEST_CASE("optimizer.fused_step false: the step before issue 15, its bytes and i
     else CHECK(a.grads == Approx(b.grads));
     if (stage == 3) CHECK(a.total() == Approx(b.total()));
   }
+}
+
+// ZeRO-3 folds each layer group's 16-bit gradients into its gradient partition in the backward
+// (core/stage_plan.cpp): zero-fill, read, and the partition read and written, g bytes each in the
+// training dtype (DeepSpeed's default), 2g + 8 with an fp32 partition (zero.grad_accum_dtype:
+// fp32), 3g when the partition is the host's (offload: zero-fill, read, the copy written).
+TEST_CASE("ZeRO-3 gradient fold: bytes per parameter by the partition's dtype", "[program]") {
+  const auto fold_bytes = [](const Scenario& sc) {
+    const Program p = build_program(sc);
+    double bytes = 0;
+    for (const auto& ops : p.op_lists)
+      for (const LayerOp& op : ops)
+        if (op.name == "zero3_gradient_fold") bytes += op.memory_bytes;
+    return bytes;
+  };
+  Scenario sc = tiny(1, 1, 1, 3);
+  const double model = fold_bytes(sc);
+  REQUIRE(model > 0);
+  sc.zero.grad_accum_fp32 = true;
+  CHECK(fold_bytes(sc) / model == Approx((2.0 * 2 + 8) / (4.0 * 2)));  // bf16: 12 against 8 bytes
+  sc.zero.grad_accum_fp32 = false;
+  sc.zero.offload_optimizer = true;
+  CHECK(fold_bytes(sc) / model == Approx(3.0 / 4.0));
 }

@@ -417,6 +417,25 @@ TEST_CASE("ZeRO-3 on one rank: parameters held once, per-layer gradient fold, of
   CHECK(measured(s3o).at("bytes_per_iteration").contains("copy_d2h/offload_gradient"));
 }
 
+// ZeRO-3's gradient partition is in the training dtype, as DeepSpeed's grad_partitions_flat_buffer
+// (gradient_accumulation_dtype defaults to it with ZeRO); zero.grad_accum_dtype: fp32 keeps an fp32
+// one: twice the bytes, the same training to fp16's rounding of the summed micro-batches.
+TEST_CASE("ZeRO-3's gradient partition: the training dtype, or fp32 with zero.grad_accum_dtype", "[zero][memory]") {
+  const std::string base =
+      "--json --steps 4 --nproc 1 --set training.global_batch=4 --set training.micro_batch=2 --set zero.stage=3 "
+      "--set precision.dtype=fp16";
+  Result model = run(base, "scenarios/tiny/tiny_dp1.yaml");
+  Result fp32 = run(base + " --set zero.grad_accum_dtype=fp32", "scenarios/tiny/tiny_dp1.yaml");
+  for (const Result* r : {&model, &fp32}) {
+    INFO(r->err);
+    REQUIRE(r->code == 0);
+  }
+  const double g16 = measured(model).at("memory_bytes").at("grads"), g32 = measured(fp32).at("memory_bytes").at("grads");
+  REQUIRE(g16 > 0);
+  CHECK(g32 == 2 * g16);
+  CHECK(max_rel_diff(losses(model), losses(fp32)) <= 1e-3);
+}
+
 // ZeRO-2 keeps what DeepSpeed's stage 2 keeps: this rank's 16-bit partition of the reduced
 // gradients and the ipg bucket being reduced, not the whole model's gradients (stage 1: full 16-bit
 // gradients and the fp32 shard accumulator). With the default reduce_bucket_size the tiny model is
