@@ -237,18 +237,25 @@ struct GemmShape {
   bool operator<(const GemmShape& o) const { return std::tie(m, n, k) < std::tie(o.m, o.n, o.k); }
 };
 
-std::vector<GemmShape> transformer_gemms(const Grid& g) {
-  std::set<GemmShape> shapes;  // distinct (m, n, k); the first op that asks for one names it
+// Every layer shape of the grid: hidden h split over t TP ranks (h / t whole, at least 16), at
+// each token count.
+template <class F>
+void for_each_layer_shape(const Grid& g, F f) {
   for (int h : g.hidden)
     for (int t : g.tp) {
       if (h % t || h / t < 16) continue;
-      for (int tokens : g.tokens) {
-        shapes.insert({"qkv", tokens, 3 * h / t, h});
-        shapes.insert({"attention_proj", tokens, h, h / t});
-        shapes.insert({"mlp_up", tokens, 4 * h / t, h});
-        shapes.insert({"mlp_down", tokens, h, 4 * h / t});
-      }
+      for (int tokens : g.tokens) f(int64_t(h), int64_t(t), int64_t(tokens));
     }
+}
+
+std::vector<GemmShape> transformer_gemms(const Grid& g) {
+  std::set<GemmShape> shapes;  // distinct (m, n, k); the first op that asks for one names it
+  for_each_layer_shape(g, [&](int64_t h, int64_t t, int64_t tokens) {
+    shapes.insert({"qkv", tokens, 3 * h / t, h});
+    shapes.insert({"attention_proj", tokens, h, h / t});
+    shapes.insert({"mlp_up", tokens, 4 * h / t, h});
+    shapes.insert({"mlp_down", tokens, h, 4 * h / t});
+  });
   return {shapes.begin(), shapes.end()};
 }
 
@@ -349,20 +356,16 @@ void measure_epilogue_gemms(const CalibrateOptions& o, const Grid& g, const at::
     }
   };
   std::set<Shape> shapes;  // distinct (epilogue, pass, m, n, k); the first op that asks names it
-  for (int h : g.hidden)
-    for (int t : g.tp) {
-      if (h % t || h / t < 16) continue;
-      for (int T : g.tokens) {
-        shapes.insert({"mlp_up", "gelu_aux_bias", GemmPass::forward, T, 4 * h / t, h});
-        shapes.insert({"mlp_down", "bias_residual", GemmPass::forward, T, h, 4 * h / t});
-        shapes.insert({"attention_proj", "bias_residual", GemmPass::forward, T, h, h / t});
-        shapes.insert({"mlp_down", "dgelu", GemmPass::dgrad, T, h, 4 * h / t});
-        shapes.insert({"qkv", "bgradb", GemmPass::wgrad, T, 3 * h / t, h});
-        shapes.insert({"attention_proj", "bgradb", GemmPass::wgrad, T, h, h / t});
-        shapes.insert({"mlp_up", "bgradb", GemmPass::wgrad, T, 4 * h / t, h});
-        shapes.insert({"mlp_down", "bgradb", GemmPass::wgrad, T, h, 4 * h / t});
-      }
-    }
+  for_each_layer_shape(g, [&](int64_t h, int64_t t, int64_t T) {
+    shapes.insert({"mlp_up", "gelu_aux_bias", GemmPass::forward, T, 4 * h / t, h});
+    shapes.insert({"mlp_down", "bias_residual", GemmPass::forward, T, h, 4 * h / t});
+    shapes.insert({"attention_proj", "bias_residual", GemmPass::forward, T, h, h / t});
+    shapes.insert({"mlp_down", "dgelu", GemmPass::dgrad, T, h, 4 * h / t});
+    shapes.insert({"qkv", "bgradb", GemmPass::wgrad, T, 3 * h / t, h});
+    shapes.insert({"attention_proj", "bgradb", GemmPass::wgrad, T, h, h / t});
+    shapes.insert({"mlp_up", "bgradb", GemmPass::wgrad, T, 4 * h / t, h});
+    shapes.insert({"mlp_down", "bgradb", GemmPass::wgrad, T, h, 4 * h / t});
+  });
   for (Dtype dtype : o.dtypes) {
     if (dtype == Dtype::fp32) continue;  // the engine fuses 16-bit GEMMs only
     const auto t0 = Clock::now();

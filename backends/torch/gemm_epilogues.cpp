@@ -220,10 +220,10 @@ std::string gemm_epilogues_mode() {
   return turned_off() ? "off" : epilogue_flags();
 }
 
-// The single GEMMs. Without cuBLASLt they run nothing and say so.
+// The single GEMMs (gemm_epilogues.hpp).
+#if DSSIM_FUSED_EPILOGUES
 bool gemm_gelu_aux_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& m,
                         const at::Tensor& pre) {
-#if DSSIM_FUSED_EPILOGUES
   if (!usable({&x, &w, &b, &m, &pre})) return false;
   auto g = row_major(m, x, false, w, true);
   g.epilogue = Epilogue::GeluAuxBias;
@@ -231,15 +231,10 @@ bool gemm_gelu_aux_bias(const at::Tensor& x, const at::Tensor& w, const at::Tens
   g.aux = pre.data_ptr();
   g.ld_aux = pre.size(1);
   return run(g, x);
-#else
-  (void)x, (void)w, (void)b, (void)m, (void)pre;
-  return false;
-#endif
 }
 
 bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
                         const at::Tensor& out) {
-#if DSSIM_FUSED_EPILOGUES
   if (!usable({&x, &w, &b, &residual, &out})) return false;
   auto g = row_major(out, x, false, w, true);
   if (b.defined()) {
@@ -251,38 +246,35 @@ bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tens
     g.beta = 1;
   }
   return run(g, x);
-#else
-  (void)x, (void)w, (void)b, (void)residual, (void)out;
-  return false;
-#endif
 }
 
 bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre) {
-#if DSSIM_FUSED_EPILOGUES
   if (!usable({&dy, &w, &pre, &dpre})) return false;
   auto g = row_major(dpre, dy, false, w, false);
   g.epilogue = Epilogue::DGelu;
   g.aux = pre.data_ptr();
   g.ld_aux = pre.size(1);
   return run(g, dy);
-#else
-  (void)dy, (void)w, (void)pre, (void)dpre;
-  return false;
-#endif
 }
 
 bool gemm_bgradb(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
-#if DSSIM_FUSED_EPILOGUES
   if (!usable({&dy, &x, &dw, &db})) return false;
   auto g = row_major(dw, dy, true, x, false);
   g.epilogue = Epilogue::BGradB;
   g.bias = db.data_ptr();
   return run(g, dy);
-#else
-  (void)dy, (void)x, (void)dw, (void)db;
-  return false;
-#endif
 }
+#else
+// Without cuBLASLt nothing runs fused.
+bool gemm_gelu_aux_bias(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+bool gemm_bias_residual(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+bool gemm_dgelu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
+bool gemm_bgradb(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
+#endif
 
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
   if (gemm_bgradb(dy, x, dw, db)) return;
