@@ -430,10 +430,11 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
     }
   }
   // ZeRO-3: the 16-bit gradients of the layer groups in backward at once, before the reduce-scatter
-  // (or, on one rank, the fold into the gradient partition) frees them: at the head's backward, the last
+  // (or, on one rank, the fold into the gradient partition) frees them (none where backward
+  // accumulates into the partition itself: zero3_backward_into_partition): at the head's backward, the last
   // layer's group and the tied embedding's (the largest module and two layers); with a
   // reduce-scatter in flight, its input copy too.
-  if (zstage == 3) {
+  if (zstage == 3 && !zero3_backward_into_partition(sc)) {
     const double grads_at_once = sc.finetune.freezes_anything()
                                      ? 3 * layer_trainable_params(m, sc.finetune, t)  // only trainable gradients
                                      : sp.largest_module + 2 * dense_layer_params(m) / t;
@@ -460,6 +461,11 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
 bool steps_gradient_buckets_in_place(const Scenario& sc) {
   return sc.optimizer.fused_step && sc.zero.stage <= 1 && !sc.zero.offload_optimizer &&
          sc.optimizer.kind != OptimizerKind::onebit_adam && !sc.model.is_moe();
+}
+
+bool zero3_backward_into_partition(const Scenario& sc) {
+  return sc.zero.model_dtype_grad_partition() && sc.parallel.dp == 1 && !sc.zero.offload_param &&
+         !sc.finetune.freezes_anything() && !(sc.parallel.tp > 1 && sc.parallel.sequence_parallel);
 }
 
 MemoryBreakdown peak_memory(const Scenario& sc) {

@@ -76,6 +76,15 @@ struct MemoryBreakdown {
 // not with optimizer.fused_step false (the step before issue 15).
 bool steps_gradient_buckets_in_place(const Scenario& sc);
 
+// dssim's torch engine at ZeRO-3 on one data-parallel rank with the gradient partition in the
+// training dtype: the partition is then the whole model, laid out as the parameters, so backward
+// accumulates into it (AccumulateGrad into its views) and no layer group's 16-bit gradients are
+// zero-filled and folded into it per micro-batch, as at stage 2 on one rank. (DeepSpeed
+// reduce-scatters over its group of one and copies the result in.) Not with frozen tensors (the
+// partition holds the trainable ones only), offload, or sequence parallelism (its replicated
+// gradients are summed over the TP group before the fold).
+bool zero3_backward_into_partition(const Scenario& sc);
+
 // Peak per-GPU memory of the most loaded GPU of the scenario (pipeline stage 0 unless the
 // partition says otherwise), by category.
 MemoryBreakdown peak_memory(const Scenario& sc);

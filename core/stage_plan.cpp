@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/finetune.hpp"
+#include "core/memory.hpp"
 #include "core/optimizer_step.hpp"
 #include "core/zero3_placement.hpp"
 
@@ -252,16 +253,20 @@ class StagePlanner {
         if (seg.embedding) params += embedding_trainable_params(m_, ft, t);
         if (seg.head) params += head_trainable_params(m_, ft, !m_.tied_embeddings, t);  // ZeRO-3: pp 1
       }
-      LayerOp fold;
-      fold.name = "zero3_gradient_fold";
-      // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
-      const double fold_bytes = sc_.zero.offload_optimizer               ? 3.0 * g_
-                                : sc_.zero.model_dtype_grad_partition() ? 4.0 * g_
-                                                                        : fold_bytes_per_param(g_);
-      fold.memory_bytes = fold_bytes * params;
-      fold.flops = params;
-      fold.backward_only = true;
-      ops.push_back(fold);
+      // (On one rank with the partition in the training dtype backward accumulates into the
+      // partition itself: nothing to fold, core/memory.hpp zero3_backward_into_partition.)
+      if (!zero3_backward_into_partition(sc_)) {
+        LayerOp fold;
+        fold.name = "zero3_gradient_fold";
+        // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)
+        const double fold_bytes = sc_.zero.offload_optimizer               ? 3.0 * g_
+                                  : sc_.zero.model_dtype_grad_partition() ? 4.0 * g_
+                                                                          : fold_bytes_per_param(g_);
+        fold.memory_bytes = fold_bytes * params;
+        fold.flops = params;
+        fold.backward_only = true;
+        ops.push_back(fold);
+      }
       // DeepSpeed's Python reduce path: one slice per tensor and data-parallel rank (experts: per
       // expert-data-parallel rank) for every reduced gradient of the segment, on the launching
       // thread during the backward (core/zero3_placement.hpp zero3_reduce_host_seconds).

@@ -1068,6 +1068,9 @@ EngineResult Engine::run() {
   auto& m = res.memory_bytes;
   m["params"] = params;
   m["grads"] = grads;
+  // ZeRO-3: the layer groups' 16-bit gradients alive at once before their reduction (or fold);
+  // none where backward accumulates into the partition (core/memory.hpp zero3_backward_into_partition).
+  if (stage_ == 3) m["zero3_layer_gradients_peak"] = zm.layer_grads_peak;
   if (offload_) m["host_optimizer"] = optim;
   else m["optimizer"] = optim;
   const double peak = peak_memory_bytes();

@@ -1,6 +1,6 @@
 // The torch backend's environment variables (launch.cpp's torchrun / Slurm rendezvous, and the
-// A/B and profiling switches DSSIM_GEMM_EPILOGUES, DSSIM_CE_KERNEL, DSSIM_KERNEL_TRACE): unset and
-// empty both mean the default.
+// A/B and profiling switches DSSIM_GEMM_EPILOGUES, DSSIM_CE_KERNEL, DSSIM_ZERO3_FOLD,
+// DSSIM_KERNEL_TRACE): unset and empty both mean the default.
 #pragma once
 #include <cstdlib>
 #include <string>

@@ -2,7 +2,9 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include "backends/torch/env.hpp"
 #include "backends/torch/torch_compat.hpp"
+#include "core/memory.hpp"
 
 namespace dssim::tb {
 
@@ -204,6 +206,21 @@ void ZeroState::allocate() {
   // the step and offload keep fp32.
   if (!grad_acc_.defined() && !grads_in_place_)
     grad_acc_ = at::zeros(master_.sizes(), sc_.zero.model_dtype_grad_partition() ? dev16 : st32);
+  // Stage 3 on one rank, the partition in the training dtype: the partition is laid out as the
+  // layers' parameters (nothing frozen, no padding), so the leaves' gradients are its views and
+  // backward accumulates into it; nothing is folded per micro-batch. (DSSIM_ZERO3_FOLD=1 folds
+  // anyway: the A/B switch of the measurement in docs/torch-backend.md, which the model does not price.)
+  if (stage_ == 3 && zero3_backward_into_partition(sc_) && env_str("DSSIM_ZERO3_FOLD", "0") == "0") {
+    if (!aliased_ || master_.numel() != shard16_.numel())
+      throw std::logic_error("ZeRO-3 on one rank: the gradient partition is not laid out as the parameters");
+    direct_partition_ = true;
+    for (int g = 0; g < int(part_.stage3_groups.size()); ++g)
+      for (int u : group_units_[g]) {
+        const auto views = unit_views(cfg_, u, grad_acc_.narrow(0, group_train_offset_[g] + unit_group_offset_[u],
+                                                                unit_numel(cfg_, u)));
+        for (size_t i = 0; i < views.size(); ++i) p16_[u][i].mutable_grad() = views[i];
+      }
+  }
   if (offload_param_) shard16_ = shard16_.to(at::kCPU);
 }
 
@@ -324,11 +341,13 @@ void ZeroState::prepare_grad(int u) {
     }
     return;
   }
-  if (stage_ < 3) return;
+  if (stage_ < 3 || direct_partition_) return;
   const int g = group_of(u);
   if (part_.stage3_groups[g].trainable_numel == 0) return;  // every tensor frozen: no gradient
   if (!gradg_[g].defined()) {
     gradg_[g] = at::zeros({part_.stage3_groups[g].numel}, full16_[g].options());
+    gradg_bytes_ += bytes(gradg_[g]);
+    gradg_peak_ = std::max(gradg_peak_, gradg_bytes_);
     for (int v : group_units_[g]) {
       auto views = unit_views(cfg_, v, gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
       for (size_t i = 0; i < views.size(); ++i)
@@ -550,7 +569,7 @@ void ZeroState::fold_local_bucket(int k) {
     auto buf = grad16_.narrow(0, r.begin, r.count);
     fold_full(r, buf, k);
     buf.zero_();
-  } else {
+  } else if (!direct_partition_) {  // stage 3 (direct: backward accumulated into the partition)
     accumulate(k, group_train_offset_[k],
                dp_ == 1 && !cfg_.ft.active ? gradg_[k] : full_to_shard(k, gradg_[k], 0, true));
     drop_group_grad(k);
@@ -580,6 +599,7 @@ void ZeroState::keep_for_step(int k) {
 void ZeroState::drop_group_grad(int g) {
   for (int v : group_units_[g])
     for (auto& leaf : p16_[v]) leaf.mutable_grad() = at::Tensor();
+  gradg_bytes_ -= bytes(gradg_[g]);
   gradg_[g] = at::Tensor();
   grad_dirty_[g] = false;
 }
@@ -973,6 +993,7 @@ ZeroState::MemoryBytes ZeroState::memory_bytes() const {
   MemoryBytes m;
   m.grads = bytes(grad16_) + (offload_ ? 0 : bytes(grad_acc_)) + bucket_peak_;
   m.optim = bytes(master_) + bytes(exp_avg_) + bytes(exp_avg_sq_) + (offload_ ? bytes(grad_acc_) : 0);
+  m.layer_grads_peak = gradg_peak_;
   if (stage_ <= 2) m.params = bytes(flat16_) + bytes(frozen16_);
   else {
     m.params = shard16_.is_cuda() || !dev_.is_cuda() ? bytes(shard16_) : 0;

@@ -135,6 +135,7 @@ class ZeroState {
   const std::map<std::pair<Op, Purpose>, int64_t>& copy_calls() const { return copy_calls_; }
   struct MemoryBytes {
     double params = 0, grads = 0, optim = 0;
+    double layer_grads_peak = 0;  // stage 3: the layer groups' 16-bit gradients alive at once, at most
   };
   MemoryBytes memory_bytes() const;
 
@@ -221,11 +222,13 @@ class ZeroState {
   bool grads_in_place_ = false;
   std::vector<bool> held_for_step_;
   std::vector<at::Tensor> full16_, gradg_;         // stage 3, per layer group
+  double gradg_bytes_ = 0, gradg_peak_ = 0;        // of gradg_: now, and at most
   std::vector<std::vector<int>> group_units_;
   std::vector<int64_t> unit_group_offset_;
   std::vector<int64_t> group_shard_offset_;
   // Stage 2: the bucket buffers being filled (undefined when none), the bytes of those and of the
-  // ones in flight, and their peak; direct_partition_: one rank accumulating into the partition.
+  // ones in flight, and their peak; direct_partition_: one rank accumulating into the partition
+  // (stage 2; stage 3 where core/memory.hpp zero3_backward_into_partition says so).
   std::vector<at::Tensor> bucket16_;
   double bucket_bytes_ = 0, bucket_peak_ = 0;
   bool direct_partition_ = false;

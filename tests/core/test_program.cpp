@@ -1364,21 +1364,60 @@ TEST_CASE("optimizer.fused_step false: the step before issue 15, its bytes and i
 // (core/stage_plan.cpp): zero-fill, read, and the partition read and written, g bytes each in the
 // training dtype (DeepSpeed's default), 2g + 8 with an fp32 partition (zero.grad_accum_dtype:
 // fp32), 3g when the partition is the host's (offload: zero-fill, read, the copy written).
+namespace {
+double zero3_fold_bytes(const Scenario& sc) {
+  const Program p = build_program(sc);
+  double bytes = 0;
+  for (const auto& ops : p.op_lists)
+    for (const LayerOp& op : ops)
+      if (op.name == "zero3_gradient_fold") bytes += op.memory_bytes;
+  return bytes;
+}
+}  // namespace
+
 TEST_CASE("ZeRO-3 gradient fold: bytes per parameter by the partition's dtype", "[program]") {
-  const auto fold_bytes = [](const Scenario& sc) {
-    const Program p = build_program(sc);
-    double bytes = 0;
-    for (const auto& ops : p.op_lists)
-      for (const LayerOp& op : ops)
-        if (op.name == "zero3_gradient_fold") bytes += op.memory_bytes;
-    return bytes;
-  };
-  Scenario sc = tiny(1, 1, 1, 3);
-  const double model = fold_bytes(sc);
-  REQUIRE(model > 0);
-  sc.zero.grad_accum_fp32 = true;
-  CHECK(fold_bytes(sc) / model == Approx((2.0 * 2 + 8) / (4.0 * 2)));  // bf16: 12 against 8 bytes
-  sc.zero.grad_accum_fp32 = false;
-  sc.zero.offload_optimizer = true;
-  CHECK(fold_bytes(sc) / model == Approx(3.0 / 4.0));
+  for (int dp : {1, 2}) {
+    INFO("dp " << dp);
+    Scenario sc = tiny(1, 1, dp, 3);
+    sc.zero.grad_accum_fp32 = true;  // an fp32 partition is folded into on one rank too
+    const double fp32 = zero3_fold_bytes(sc);
+    REQUIRE(fp32 > 0);
+    sc.zero.grad_accum_fp32 = false;
+    sc.zero.offload_optimizer = true;
+    CHECK(zero3_fold_bytes(sc) / fp32 == Approx(3.0 * 2 / (2.0 * 2 + 8)));  // bf16: 6 against 12 bytes
+    sc.zero.offload_optimizer = false;
+    if (dp > 1) CHECK(zero3_fold_bytes(sc) / fp32 == Approx(4.0 * 2 / (2.0 * 2 + 8)));  // 8 against 12
+  }
+}
+
+// On one rank with the partition in the training dtype the engine's backward accumulates into the
+// partition (core/memory.hpp zero3_backward_into_partition): no fold, and no layer group's 16-bit
+// gradients besides it during the backward.
+TEST_CASE("ZeRO-3 on one rank: backward into the partition, no fold", "[program][memory]") {
+  Scenario one = tiny(1, 1, 1, 3);
+  CHECK(zero3_backward_into_partition(one));
+  CHECK(zero3_fold_bytes(one) == 0);
+  Scenario two = tiny(1, 1, 2, 3);
+  CHECK_FALSE(zero3_backward_into_partition(two));
+  CHECK(zero3_fold_bytes(two) > 0);
+  // Where the partition cannot take the leaves' gradients, the fold stays.
+  for (int c = 0; c < 4; ++c) {
+    INFO("case " << c);
+    Scenario sc = one;
+    if (c == 0) sc.zero.grad_accum_fp32 = true;  // fp32 partition, 16-bit leaves
+    if (c == 1) sc.zero.offload_optimizer = true;
+    if (c == 2) sc.zero.offload_param = true;
+    if (c == 3) sc.parallel.tp = 2, sc.parallel.sequence_parallel = true;
+    CHECK_FALSE(zero3_backward_into_partition(sc));
+    CHECK(zero3_fold_bytes(sc) > 0);
+  }
+  for (int stage = 0; stage <= 2; ++stage) CHECK_FALSE(zero3_backward_into_partition(tiny(1, 1, 1, stage)));
+  // Memory: the fold's transient 16-bit gradients (the largest module, here the word embedding,
+  // and two layers) are gone.
+  Scenario folded = one;
+  folded.zero.grad_accum_fp32 = true;
+  const MemoryBreakdown d = peak_memory(one), f = peak_memory(folded);
+  const double layer = dense_layer_params(one.model), embedding = double(one.model.vocab) * one.model.hidden;
+  CHECK(f.grads - d.grads == Approx(2.0 * parameter_count(one.model)));  // fp32 against bf16 partition
+  CHECK(f.temporaries - d.temporaries == Approx(2.0 * (embedding + 2 * layer)));
 }

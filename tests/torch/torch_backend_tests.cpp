@@ -1,5 +1,6 @@
 // The torch backend trained for real: tiny GPTs on 2 and 4 CPU ranks over Gloo, spawned by
 // `dssim run --nproc N` (the dssim_torch_run driver).
+#include <cstdlib>
 #include <string>
 #include <vector>
 #include "backends/torch/loss_scaler.hpp"
@@ -434,6 +435,35 @@ TEST_CASE("ZeRO-3's gradient partition: the training dtype, or fp32 with zero.gr
   REQUIRE(g16 > 0);
   CHECK(g32 == 2 * g16);
   CHECK(max_rel_diff(losses(model), losses(fp32)) <= 1e-3);
+}
+
+// ZeRO-3 on one rank with the partition in the training dtype: backward accumulates into the
+// partition itself (core/memory.hpp zero3_backward_into_partition), so no layer group's 16-bit
+// gradients exist besides it; DSSIM_ZERO3_FOLD=1 (the A/B switch) and an fp32 partition fold each
+// group's into it, as with dp > 1. The same training either way, to bf16's rounding of the sums.
+TEST_CASE("ZeRO-3 on one rank accumulates into the partition: no per-layer gradients, the same losses", "[zero][memory]") {
+  const std::string base =
+      "--json --steps 4 --nproc 1 --set training.global_batch=4 --set training.micro_batch=2 --set zero.stage=3 "
+      "--set precision.dtype=bf16";
+  const std::string one = "scenarios/tiny/tiny_dp1.yaml";
+  Result direct = run(base, one);
+  Result fp32 = run(base + " --set zero.grad_accum_dtype=fp32", one);
+  ::setenv("DSSIM_ZERO3_FOLD", "1", 1);
+  Result folded = run(base, one);
+  ::unsetenv("DSSIM_ZERO3_FOLD");
+  for (const Result* r : {&direct, &fp32, &folded}) {
+    INFO(r->err);
+    REQUIRE(r->code == 0);
+  }
+  const auto layer_grads = [](const Result& r) {
+    return measured(r).at("memory_bytes").at("zero3_layer_gradients_peak").get<double>();
+  };
+  CHECK(layer_grads(direct) == 0);
+  CHECK(layer_grads(folded) > 0);
+  CHECK(layer_grads(fp32) == layer_grads(folded));
+  CHECK(measured(direct).at("memory_bytes").at("grads") == measured(folded).at("memory_bytes").at("grads"));
+  CHECK(max_rel_diff(losses(direct), losses(folded)) <= 1e-2);
+  CHECK(max_rel_diff(losses(direct), losses(fp32)) <= 1e-2);
 }
 
 // ZeRO-2 keeps what DeepSpeed's stage 2 keeps: this rank's 16-bit partition of the reduced
