@@ -795,6 +795,12 @@ class Engine {
   // the side-stream gradient copies and serialise them with the compute they overlap otherwise
   // (0.43 s of the 7B offload run's 5.5 s iteration).
   void timing_sync() { stream_synchronize(dev_); }
+  // Whether the next instruction is a compute instruction of the same kind (timed with this one).
+  bool continues_same_kind(const RankProgram& rp) const {
+    if (pc_ + 1 >= rp.instructions.size()) return false;
+    const Op a = rp.instructions[pc_].op, b = rp.instructions[pc_ + 1].op;
+    return a == b && (a == Op::Forward || a == Op::Backward);
+  }
 
   void execute(const RankProgram& rp, std::vector<EngineResult::MemoryPoint>* timeline) {
     for (pc_ = 0; pc_ < rp.instructions.size(); ++pc_) {
@@ -874,9 +880,12 @@ class Engine {
         ep_.seconds = 0;
       }
       if (timed) {
-        // A collective runs on the communicator's stream: timed to its completion.
+        // A collective runs on the communicator's stream: timed to its completion. Consecutive
+        // compute instructions of one kind (ZeRO-3's per-layer forward and backward on one rank,
+        // a backward split where gradient buckets close) are timed as one span: a host sync
+        // between them would leave the GPU idle while the host queues the next one.
         if (is_collective(in.op)) sync();
-        else timing_sync();
+        else if (!continues_same_kind(rp)) timing_sync();
         const double dt = seconds_since(t0);
         // Work the instruction ran on behalf of another kind (recompute inside Backward, the
         // parameter copy inside the host step) is reported under that kind.
