@@ -106,13 +106,16 @@ for extra in "--set zero.stage=0 --set precision.dtype=fp32" \
   fi
 done
 
+# The scenario names the card it runs on (its preset's GPU gives the MFU's peak).
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$CARD" in *H100*) CLUSTER=dgx-h100-ndr CARD_TAG=h100 ;; *) CLUSTER=hgx-h200-ndr CARD_TAG=h200 ;; esac
 for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
 for LOSS in $LOSSES; do
-cat > "$BUILD/${PRESET}_h200_zero${STAGE}_${TAG}_$LOSS.yaml" <<EOF
-# $SHAPE on one H200, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
-name: ${PRESET}_h200_zero${STAGE}
+cat > "$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml" <<EOF
+# $SHAPE on one $CARD, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
+name: ${PRESET}_${CARD_TAG}_zero${STAGE}
 model:
   preset: $PRESET${LAYERS:+
   layers: $LAYERS}
@@ -127,14 +130,14 @@ zero:
 precision: bf16
 optimizer: {type: adamw, lr: 1e-4}
 cluster:
-  preset: hgx-h200-ndr
+  preset: $CLUSTER
   nodes: 1
   gpus_per_node: 1
 EOF
 
 RUN="${TAG}_${LOSS}"
 echo "== dssim run (torch backend, C++), model.cross_entropy: $LOSS"
-"$BUILD/dssim_torch_run" "$BUILD/${PRESET}_h200_zero${STAGE}_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+"$BUILD/dssim_torch_run" "$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
   --json > "$OUT/dssim_$RUN.json" 2> >(tee "$OUT/dssim_$RUN.stderr" >&2) || { echo "dssim run failed"; exit 1; }
 python3 - "$OUT/dssim_$RUN.json" <<'EOF'
 import json, sys
