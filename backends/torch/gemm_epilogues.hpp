@@ -33,7 +33,7 @@ at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
 // The fused block's GEMMs one at a time, on 2-D contiguous tensors, as mlp / biased_linear and
 // their backward run them (and dssim calibrate's `epilogues` family times them, backends/torch/
-// calibrate.cpp). Each writes its outputs and returns true; false, running nothing, where it would
+// calibrate_gemm.cpp). Each writes its outputs and returns true; false, running nothing, where it would
 // not run fused (not built, CPU, fp32, turned off, a shape cuBLASLt refuses). x [T x k], w [n x k]:
 //   gemm_gelu_aux_bias  pre = x W^T + b, m = gelu_tanh(pre)        (GELU_AUX_BIAS)
 //   gemm_bias_residual  out = x W^T [+ b] [+ residual]             (BIAS, beta 1; b, residual optional)

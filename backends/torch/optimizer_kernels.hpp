@@ -1,5 +1,5 @@
 // The optimizer step's kernels, shared by the engine (engine.cpp) and `dssim calibrate`
-// (calibrate.cpp), so that the rate the calibration measures is the rate of the code that trains.
+// (calibrate_memory.cpp), so that the rate the calibration measures is the rate of the code that trains.
 //
 // One step of the engine, per parameter of this rank's shard (fused_adamw_step, one pass; issue
 // 15): the gradient read where it lies (stages 0/1: the reduced 16-bit buckets, stage 2: the
