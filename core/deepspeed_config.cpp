@@ -4,6 +4,8 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include "core/scenario_loader.hpp"
@@ -571,31 +573,39 @@ struct Mapper {
 
   // DeepSpeed's get_communication_data_type: fp32 / fp16 / bf16 (bfp16), any case; null = the
   // compute dtype. The data-parallel gradient reduction moves that dtype (core/program_builder.cpp).
+  // A DeepSpeed dtype name at key k, as `names` spells them (lower case -> fp32 / fp16 / bf16):
+  // nullopt for null, and for "auto" (kept as auto for `target`); anything else fails.
+  std::optional<std::string> dtype_name(const std::string& k, const json& v, const char* target,
+                                        const std::map<std::string, std::string>& names) {
+    if (v.is_null()) return std::nullopt;
+    if (is_auto(v)) {
+      keep_auto(target, k);
+      return std::nullopt;
+    }
+    if (!v.is_string()) fail(k, "expected \"fp32\", \"fp16\" or \"bf16\", got " + v.dump());
+    const auto it = names.find(lower(v.get<std::string>()));
+    if (it != names.end()) return it->second;
+    if (looks_like_template(v.get<std::string>())) throw ConfigError(origin + ": " + template_message(k, v.dump()));
+    fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
+  }
+
   void communication_data_type(const json& v) {
     const std::string k = "communication_data_type";
-    if (v.is_null()) return;
-    if (is_auto(v)) { keep_auto("precision.communication_dtype", k); return; }
-    if (!v.is_string()) fail(k, "expected \"fp32\", \"fp16\" or \"bf16\", got " + v.dump());
-    const std::string t = lower(v.get<std::string>());
-    if (t == "fp32" || t == "fp16" || t == "bf16") set("precision.communication_dtype", k, YAML::Node(t));
-    else if (t == "bfp16") set("precision.communication_dtype", k, YAML::Node("bf16"));
-    else if (looks_like_template(v.get<std::string>())) throw ConfigError(origin + ": " + template_message(k, v.dump()));
-    else fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
+    static const std::map<std::string, std::string> names = {
+        {"fp32", "fp32"}, {"fp16", "fp16"}, {"bf16", "bf16"}, {"bfp16", "bf16"}};
+    if (const auto t = dtype_name(k, v, "precision.communication_dtype", names))
+      set("precision.communication_dtype", k, YAML::Node(*t));
   }
 
   // DeepSpeed's gradient_accumulation_dtype (data_types.grad_accum_dtype, DtypeEnum's names, any
   // case): ZeRO-3's gradient partition dtype (zero.grad_accum_dtype). fp32 -> fp32; the 16-bit
   // names -> the training dtype, DeepSpeed's default with ZeRO. Stages 0-2 keep dssim's rules.
   void grad_accum_dtype(const std::string& k, const json& v) {
-    if (v.is_null()) return;
-    if (is_auto(v)) { keep_auto("zero.grad_accum_dtype", k); return; }
-    if (!v.is_string()) fail(k, "expected \"fp32\", \"fp16\" or \"bf16\", got " + v.dump());
-    const std::string t = lower(v.get<std::string>());
-    if (t == "fp32" || t == "float32" || t == "float") set("zero.grad_accum_dtype", k, YAML::Node("fp32"));
-    else if (t == "fp16" || t == "float16" || t == "half" || t == "bf16" || t == "bfloat16" || t == "bfp16")
-      set("zero.grad_accum_dtype", k, YAML::Node("model"));
-    else if (looks_like_template(v.get<std::string>())) throw ConfigError(origin + ": " + template_message(k, v.dump()));
-    else fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
+    static const std::map<std::string, std::string> names = {
+        {"fp32", "fp32"},     {"float32", "fp32"}, {"float", "fp32"}, {"fp16", "fp16"},  {"float16", "fp16"},
+        {"half", "fp16"},     {"bf16", "bf16"},    {"bfloat16", "bf16"}, {"bfp16", "bf16"}};
+    if (const auto t = dtype_name(k, v, "zero.grad_accum_dtype", names))
+      set("zero.grad_accum_dtype", k, YAML::Node(*t == "fp32" ? "fp32" : "model"));
   }
 
   void run(const json& root) {

@@ -243,19 +243,19 @@ class StagePlanner {
       // partition in every micro-batch's backward, and zero-fills the next micro-batch's: g to
       // zero-fill, g read, the partition read and written (g bytes each in the training dtype,
       // 4 with zero.grad_accum_dtype: fp32): 4g, or 2g + 8 (the optimizer step then has no fold).
-      const double h = m_.hidden, t = t_;
-      const FinetuneSpec& ft = sc_.finetune;
-      double params = seg.layer_count * dense_layer_params(m_) / t;
-      if (seg.embedding) params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
-      if (seg.head) params += norm_params(m_) + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
-      if (ft.freezes_anything()) {  // only trainable gradients are folded
-        params = seg.layer_count * layer_trainable_params(m_, ft, t);
-        if (seg.embedding) params += embedding_trainable_params(m_, ft, t);
-        if (seg.head) params += head_trainable_params(m_, ft, !m_.tied_embeddings, t);  // ZeRO-3: pp 1
-      }
       // (On one rank with the partition in the training dtype backward accumulates into the
       // partition itself: nothing to fold, core/memory.hpp zero3_backward_into_partition.)
       if (!zero3_backward_into_partition(sc_)) {
+        const double h = m_.hidden, t = t_;
+        const FinetuneSpec& ft = sc_.finetune;
+        double params = seg.layer_count * dense_layer_params(m_) / t;
+        if (seg.embedding) params += double(m_.vocab) / t * h + (m_.rotary ? 0.0 : double(m_.seq_len) * h);
+        if (seg.head) params += norm_params(m_) + (m_.tied_embeddings ? 0.0 : double(m_.vocab) / t * h);
+        if (ft.freezes_anything()) {  // only trainable gradients are folded
+          params = seg.layer_count * layer_trainable_params(m_, ft, t);
+          if (seg.embedding) params += embedding_trainable_params(m_, ft, t);
+          if (seg.head) params += head_trainable_params(m_, ft, !m_.tied_embeddings, t);  // ZeRO-3: pp 1
+        }
         LayerOp fold;
         fold.name = "zero3_gradient_fold";
         // (Offloaded: copied for the host instead, 3g: zero-fill, read, write the copy.)

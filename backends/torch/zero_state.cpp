@@ -215,11 +215,7 @@ void ZeroState::allocate() {
       throw std::logic_error("ZeRO-3 on one rank: the gradient partition is not laid out as the parameters");
     direct_partition_ = true;
     for (int g = 0; g < int(part_.stage3_groups.size()); ++g)
-      for (int u : group_units_[g]) {
-        const auto views = unit_views(cfg_, u, grad_acc_.narrow(0, group_train_offset_[g] + unit_group_offset_[u],
-                                                                unit_numel(cfg_, u)));
-        for (size_t i = 0; i < views.size(); ++i) p16_[u][i].mutable_grad() = views[i];
-      }
+      bind_group_grads(g, grad_acc_.narrow(0, group_train_offset_[g], part_.stage3_groups[g].numel));
   }
   if (offload_param_) shard16_ = shard16_.to(at::kCPU);
 }
@@ -348,11 +344,17 @@ void ZeroState::prepare_grad(int u) {
     gradg_[g] = at::zeros({part_.stage3_groups[g].numel}, full16_[g].options());
     gradg_bytes_ += bytes(gradg_[g]);
     gradg_peak_ = std::max(gradg_peak_, gradg_bytes_);
-    for (int v : group_units_[g]) {
-      auto views = unit_views(cfg_, v, gradg_[g].narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
-      for (size_t i = 0; i < views.size(); ++i)
-        if (p16_[v][i].requires_grad()) p16_[v][i].mutable_grad() = views[i];
-    }
+    bind_group_grads(g, gradg_[g]);
+  }
+}
+
+// Stage 3: the trainable leaves of layer group g take their gradients as views of `flat`, laid
+// out as the group's parameters.
+void ZeroState::bind_group_grads(int g, const at::Tensor& flat) {
+  for (int v : group_units_[g]) {
+    const auto views = unit_views(cfg_, v, flat.narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
+    for (size_t i = 0; i < views.size(); ++i)
+      if (p16_[v][i].requires_grad()) p16_[v][i].mutable_grad() = views[i];
   }
 }
 

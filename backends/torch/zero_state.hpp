@@ -169,6 +169,7 @@ class ZeroState {
   void fold_full(const Range& r, const at::Tensor& buf, int bucket);
   void keep_for_step(int k);
   void drop_group_grad(int g);
+  void bind_group_grads(int g, const at::Tensor& flat);
   at::Tensor take_bucket(int k);
   void free_bucket(at::Tensor& buf);
   void recycle(at::Tensor& buf);
