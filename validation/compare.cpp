@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/memory.hpp"
 #include "core/scenario_loader.hpp"
 
 namespace dssim::validation {
@@ -43,10 +44,21 @@ std::string apply_measured_kernels(Scenario& sc, const nlohmann::json& run_repor
   return kernels_line(sc);
 }
 
+std::string unpriced_departure(const Scenario& sc, const nlohmann::json& run_report) {
+  if (!run_report.contains("extras") || !run_report["extras"].contains("measured")) return "";
+  const nlohmann::json& m = run_report["extras"]["measured"];
+  auto it = m.find("zero3_backward_into_partition");
+  if (it != m.end() && it->is_boolean() && !it->get<bool>() && zero3_backward_into_partition(sc))
+    return "the run folded ZeRO-3's layer gradients into the partition (DSSIM_ZERO3_FOLD=1); the prediction "
+           "prices backward into the partition (no fold), so backward and peak memory are not like for like";
+  return "";
+}
+
 Comparison compare(const Scenario& sc, const Prediction& p, const nlohmann::json& m) {
   Comparison c;
   c.scenario = sc.name;
   if (measured_kernels(m)) c.kernels = kernels_line(sc);
+  c.unpriced = unpriced_departure(sc, m);
   c.predictor = p.predictor;
   c.measured_backend = m.value("backend", std::string("?"));
   const nlohmann::json& meas = m.at("extras").at("measured");
@@ -110,6 +122,7 @@ nlohmann::json Comparison::to_json() const {
   j["predictor"] = predictor;
   j["measured_backend"] = measured_backend;
   if (!kernels.empty()) j["kernels"] = kernels;
+  if (!unpriced.empty()) j["unpriced"] = unpriced;
   j["kinds"] = pairs_json(kinds, "simulated_seconds", "measured_seconds");
   for (const Pair& q : totals)
     j[q.name] = {{"simulated", q.simulated}, {"measured", q.measured}, {"error", q.error()}};
@@ -123,6 +136,7 @@ std::string Comparison::to_text() const {
   o << "dssim compare " << scenario << " - " << predictor << " prediction vs " << measured_backend
     << " measurement, one iteration\n";
   if (!kernels.empty()) o << kernels << "\n";
+  if (!unpriced.empty()) o << "not like for like: " << unpriced << "\n";
   o << "\n";
   std::snprintf(buf, sizeof buf, "  %-28s %14s %14s %9s\n", "instruction kind", "predicted", "measured", "error");
   o << buf;

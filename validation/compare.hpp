@@ -34,6 +34,9 @@ struct Comparison {
   // The fused kernels the measured run took and the prediction priced (apply_measured_kernels);
   // empty for reports that do not say.
   std::string kernels;
+  // What the measured run did that the prediction does not price (unpriced_departure); empty
+  // when like for like.
+  std::string unpriced;
   std::vector<Pair> kinds;     // per instruction kind, seconds per iteration
   std::vector<Pair> totals;    // iteration_seconds, tokens_per_second, model_tflops_per_gpu
   std::vector<Pair> memory;    // peak per category and total, bytes
@@ -49,6 +52,13 @@ struct Comparison {
 // fused_linear. Reports without these fields (runs before them, CPU runs) leave the scenario as it
 // is. Returns the line that says what was priced ("" when the report does not say).
 std::string apply_measured_kernels(Scenario& sc, const nlohmann::json& run_report);
+
+// What a `dssim run --json` report says its run did that no scenario key prices, so that the
+// prediction of `sc` is not like for like; "" when there is none. Today: a ZeRO-3 run that folded
+// its layer gradients (DSSIM_ZERO3_FOLD=1, extras.measured.zero3_backward_into_partition false)
+// where the model prices backward into the partition (core/memory.hpp zero3_backward_into_partition).
+// `dssim compare` shows it, and refuses to --record such a run.
+std::string unpriced_departure(const Scenario& sc, const nlohmann::json& run_report);
 
 // `measured` is a `dssim run --json` report (its extras.measured section); `sc` as predicted
 // (after apply_measured_kernels).

@@ -1079,7 +1079,10 @@ EngineResult Engine::run() {
   m["grads"] = grads;
   // ZeRO-3: the layer groups' 16-bit gradients alive at once before their reduction (or fold);
   // none where backward accumulates into the partition (core/memory.hpp zero3_backward_into_partition).
-  if (stage_ == 3) m["zero3_layer_gradients_peak"] = zm.layer_grads_peak;
+  if (stage_ == 3) {
+    m["zero3_layer_gradients_peak"] = zm.layer_grads_peak;
+    res.zero3_backward_into_partition = zero_->zero3_backward_into_partition();
+  }
   if (offload_) m["host_optimizer"] = optim;
   else m["optimizer"] = optim;
   const double peak = peak_memory_bytes();

@@ -4,6 +4,7 @@
 // buffers reduced bucket by bucket where the Program reduces them.
 #pragma once
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 #include <torch/torch.h>
@@ -37,6 +38,9 @@ struct EngineResult {
   // for capacity, tokens gated per layer and micro-batch, expert capacity (slots per source rank).
   std::map<std::string, double> moe;
   int64_t first_step = 1;            // 1 unless resumed
+  // ZeRO-3 only: whether backward accumulated into the gradient partition (no per-layer buffers,
+  // no fold). Unset for other stages.
+  std::optional<bool> zero3_backward_into_partition;
   // CUDA: the first measured step, instruction by instruction: bytes allocated after it and the
   // allocator's peak while it ran (what the memory model's categories are checked against).
   struct MemoryPoint {

@@ -114,6 +114,9 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
                     {"allocated", p.allocated}, {"peak", p.peak}});
     measured["memory_timeline"] = tl;  // first measured step, per instruction (bytes)
   }
+  // ZeRO-3: what the run did with the layers' gradients (what the model prices is
+  // core/memory.hpp zero3_backward_into_partition; DSSIM_ZERO3_FOLD=1 departs from it).
+  if (res.zero3_backward_into_partition) measured["zero3_backward_into_partition"] = *res.zero3_backward_into_partition;
   measured["flash_attention"] = flash_attention_available();
   // The fused GPU paths the run took (gemm_epilogues.hpp, cross_entropy_cuda.hpp): what a record
   // of this run was measured with.

@@ -210,7 +210,7 @@ void ZeroState::allocate() {
   // layers' parameters (nothing frozen, no padding), so the leaves' gradients are its views and
   // backward accumulates into it; nothing is folded per micro-batch. (DSSIM_ZERO3_FOLD=1 folds
   // anyway: the A/B switch of the measurement in docs/torch-backend.md, which the model does not price.)
-  if (stage_ == 3 && zero3_backward_into_partition(sc_) && env_str("DSSIM_ZERO3_FOLD", "0") == "0") {
+  if (stage_ == 3 && dssim::zero3_backward_into_partition(sc_) && env_str("DSSIM_ZERO3_FOLD", "0") == "0") {
     if (!aliased_ || master_.numel() != shard16_.numel())
       throw std::logic_error("ZeRO-3 on one rank: the gradient partition is not laid out as the parameters");
     direct_partition_ = true;

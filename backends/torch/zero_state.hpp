@@ -138,6 +138,9 @@ class ZeroState {
     double layer_grads_peak = 0;  // stage 3: the layer groups' 16-bit gradients alive at once, at most
   };
   MemoryBytes memory_bytes() const;
+  // Stage 3: backward accumulated into the gradient partition (no per-layer buffers, no fold):
+  // core/memory.hpp zero3_backward_into_partition, unless DSSIM_ZERO3_FOLD=1 turned it off.
+  bool zero3_backward_into_partition() const { return stage_ == 3 && direct_partition_; }
 
   // ---- what the engine reads and steps ------------------------------------------------------
   // The layout; the sharded optimizer state (stepped by the engine's AdamW or 1-bit Adam,

@@ -373,6 +373,30 @@ assert wo["gpu"] == "H100-SXM", wo["gpu"]
 assert "gemm_epilogues: true" in w["scenario_yaml"], w["scenario_yaml"]
 PY
     ;;
+  compare_unpriced_fold)
+    # A ZeRO-3 run that folded its layer gradients (DSSIM_ZERO3_FOLD=1) where the model prices
+    # backward into the partition: compare says so, and refuses to record it.
+    rec=validation/measured/h100_7b16_zero3.json
+    sc=validation/measured/scenarios/h100_7b16_zero3.yaml
+    python3 - "$rec" "$TMP/fold.json" "$TMP/direct.json" <<'PY' || fail "could not write the runs"
+import json, sys
+run = json.load(open(sys.argv[1]))["report"]
+run["extras"]["measured"]["zero3_backward_into_partition"] = True
+json.dump(run, open(sys.argv[3], "w"))
+run["extras"]["measured"]["zero3_backward_into_partition"] = False
+json.dump(run, open(sys.argv[2], "w"))
+PY
+    run compare "$sc" --run-json "$TMP/fold.json" --json
+    expect_rc 0
+    expect_out "DSSIM_ZERO3_FOLD"
+    run compare "$sc" --run-json "$TMP/fold.json" --record "$TMP/outdir/fold.json"
+    expect_refused "not like for like"
+    run compare "$sc" --run-json "$TMP/direct.json" --record "$TMP/outdir/direct.json"
+    expect_rc 0
+    expect_out "GEMM epilogues on"
+    if grep -q "like for like" "$TMP/out"; then fail "like-for-like run flagged"; fi
+    [ -f "$TMP/outdir/direct.json" ] || fail "no record written"
+    ;;
   compare_bad_input)
     run compare scenarios/tiny/tiny_dp1.yaml
     expect_rc 2

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
+#include "core/memory.hpp"
 #include "scenario_test_util.hpp"
 #include "validation/compare.hpp"
 
@@ -45,4 +46,22 @@ TEST_CASE("compare prices the measured run's kernels; reports without them leave
   nlohmann::json old = validation::make_record(load_scenario_from_string(y), {{"extras", {{"measured", nlohmann::json::object()}}}},
                                                "NVIDIA H200", "test");
   CHECK_FALSE(validation::record_scenario(old, "o.json").model.gemm_epilogues);
+}
+
+TEST_CASE("compare: a ZeRO-3 run that folded where the model prices no fold is not like for like", "[epilogues][zero3]") {
+  // One rank, ZeRO-3, partition in the training dtype: the model prices backward into the partition.
+  const Scenario direct = load_scenario_from_string(dssim::test::tiny_yaml("  tp: 1\n  pp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 1\n",
+                                                                           "zero:\n  stage: 3\n"));
+  REQUIRE(zero3_backward_into_partition(direct));
+  nlohmann::json report = {{"backend", "cuda"}, {"extras", {{"measured", {{"memory_bytes", {{"peak", 1.0}}}}}}}};
+  CHECK(validation::unpriced_departure(direct, report).empty());  // reports before the field
+  report["extras"]["measured"]["zero3_backward_into_partition"] = true;
+  CHECK(validation::unpriced_departure(direct, report).empty());
+  report["extras"]["measured"]["zero3_backward_into_partition"] = false;  // DSSIM_ZERO3_FOLD=1
+  CHECK_THAT(validation::unpriced_departure(direct, report), Catch::Contains("DSSIM_ZERO3_FOLD"));
+  // Where the model prices the fold itself (two ranks), a folding run is like for like.
+  const Scenario two = load_scenario_from_string(dssim::test::tiny_yaml("  tp: 1\n  pp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 2\n",
+                                                                        "zero:\n  stage: 3\n"));
+  REQUIRE_FALSE(zero3_backward_into_partition(two));
+  CHECK(validation::unpriced_departure(two, report).empty());
 }
