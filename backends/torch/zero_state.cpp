@@ -220,69 +220,6 @@ void ZeroState::allocate() {
   if (offload_param_) shard16_ = shard16_.to(at::kCPU);
 }
 
-// Stage 3: a group's full flat tensor -> rank r's partition (per tensor ceil(n / dp), zero
-// padded); trainable_only: of its trainable tensors (what is reduce-scattered and stepped).
-at::Tensor ZeroState::full_to_shard(int gi, const at::Tensor& full, int r, bool trainable_only) const {
-  const auto& g = part_.stage3_groups[gi];
-  auto out = at::zeros({trainable_only ? g.trainable_shard_numel : g.shard_numel}, full.options());
-  int64_t in_off = 0, out_off = 0;
-  for (int ti : g.tensors) {
-    const int64_t n = part_.offsets.size() > 0 ? tensor_numel(ti) : 0;
-    const int64_t c = (n + dp_ - 1) / dp_;
-    if (trainable_only && !part_trainable_[ti]) {
-      in_off += n;
-      continue;
-    }
-    const int64_t b = std::min<int64_t>(n, int64_t(r) * c), e = std::min<int64_t>(n, int64_t(r + 1) * c);
-    if (e > b) out.narrow(0, out_off, e - b).copy_(full.narrow(0, in_off + b, e - b));
-    in_off += n;
-    out_off += c;
-  }
-  return out;
-}
-
-// Stage 3 with frozen tensors: the trainable pieces of this rank's shards (laid out as master_)
-// into `shard` (laid out as shard16_), or back (to_shard false).
-void ZeroState::trainable_pieces(const at::Tensor& train, const at::Tensor& shard, bool to_shard) const {
-  at::NoGradGuard ng;
-  for (int gi = 0; gi < int(part_.stage3_groups.size()); ++gi) {
-    int64_t s_off = group_shard_offset_[gi], t_off = group_train_offset_[gi];
-    for (int ti : part_.stage3_groups[gi].tensors) {
-      const int64_t c = (tensor_numel(ti) + dp_ - 1) / dp_;
-      if (part_trainable_[ti]) {
-        if (to_shard) shard.narrow(0, s_off, c).copy_(train.narrow(0, t_off, c));
-        else train.narrow(0, t_off, c).copy_(shard.narrow(0, s_off, c));
-        t_off += c;
-      }
-      s_off += c;
-    }
-  }
-}
-
-// Stage 3: all-gathered [dp * shard] -> the group's full flat tensor.
-void ZeroState::gathered_to_full(int gi, const at::Tensor& gathered, at::Tensor full) const {
-  const auto& g = part_.stage3_groups[gi];
-  auto rows = gathered.view({dp_, g.shard_numel});
-  int64_t out_off = 0, in_off = 0;
-  for (int ti : g.tensors) {
-    const int64_t n = tensor_numel(ti), c = (n + dp_ - 1) / dp_;
-    full.narrow(0, out_off, n).copy_(rows.narrow(1, in_off, c).reshape({-1}).narrow(0, 0, n));
-    out_off += n;
-    in_off += c;
-  }
-}
-
-int64_t ZeroState::tensor_numel(int ti) const {
-  return ti + 1 < int(part_.offsets.size()) ? part_.offsets[ti + 1] - part_.offsets[ti]
-                                             : part_.numel - part_.offsets[ti];
-}
-
-void ZeroState::release_group(int g) {
-  if (stage_ < 3 || aliased_ || !gathered_[g]) return;
-  release_storage(full16_[g]);  // the units' leaves share this storage
-  gathered_[g] = false;
-}
-
 // One autograd leaf per parameter tensor, a view into the flat buffer, with its .grad a view
 // into the flat gradient buffer: backward accumulates straight into the buckets (no slice
 // backward through a flat leaf), as DeepSpeed's params point into its flat groups.
@@ -348,31 +285,6 @@ void ZeroState::prepare_grad(int u) {
   }
 }
 
-// Stage 3: the trainable leaves of layer group g take their gradients as views of `flat`, laid
-// out as the group's parameters.
-void ZeroState::bind_group_grads(int g, const at::Tensor& flat) {
-  for (int v : group_units_[g]) {
-    const auto views = unit_views(cfg_, v, flat.narrow(0, unit_group_offset_[v], unit_numel(cfg_, v)));
-    for (size_t i = 0; i < views.size(); ++i)
-      if (p16_[v][i].requires_grad()) p16_[v][i].mutable_grad() = views[i];
-  }
-}
-
-// ZeRO-3 on one rank has no reduce-scatter in the Program: a layer group's gradients go to the
-// fp32 accumulator as soon as its backward is done (what the reduce-scatter would do), so at
-// most one group's 16-bit gradients are alive, as with dp > 1.
-// With the optimizer offloaded they go on to the host at once (DeepSpeed copies each reduced
-// partition out in the backward hooks), timed as the Program's CopyD2H.
-void ZeroState::fold_group_now(int g) {
-  if (stage_ != 3 || dp_ != 1 || !grad_dirty_[g]) return;
-  fold_local_bucket(g);
-  if (!offload_) return;
-  if (measuring_) timing_sync();
-  auto t0 = Clock::now();
-  copy_gradients_to_host(g);
-  inner_seconds_["copy_d2h"] += seconds_since(t0);
-}
-
 void ZeroState::mark_dirty(int u) {
   if (stage_ == 3) {
     if (part_.stage3_groups[group_of(u)].trainable_numel > 0) grad_dirty_[group_of(u)] = true;
@@ -389,55 +301,7 @@ void ZeroState::mark_dirty(int u) {
   }
 }
 
-// Stage 3 frees the units an instruction used unless the Program uses them again before
-// gathering them again.
-void ZeroState::after_use(size_t pc, const std::vector<int>& groups) {
-  if (stage_ < 3) return;
-  for (int g : groups)
-    if (!keep_after_use_[pc][g]) release_group(g);
-}
-
 int ZeroState::group_of(int u) const { return layer_of_unit(cfg_, u); }
-
-void ZeroState::gather_persistent() {
-  if (!aliased_)
-    for (int g : persistent_) gather_group(g, nullptr);
-}
-
-// Stage 3: for instruction i and unit u, whether u is used again (forward / backward) before the
-// Program gathers it again: then it stays resident.
-// Stage 3: for instruction i and group g, whether g is used again (forward / backward) before
-// the Program gathers it again: then it stays resident. Groups the Program never gathers (dp = 1
-// has no data-parallel group) are gathered once and kept.
-void ZeroState::plan_residency(const RankProgram& rp,
-                               const std::function<std::vector<int>(const Instruction&)>& groups_of) {
-  if (stage_ < 3) return;
-  const int n = int(rp.instructions.size()), G = int(part_.stage3_groups.size());
-  keep_after_use_.assign(n, std::vector<bool>(G, false));
-  std::vector<int> next(G, 0);  // 0 none, 1 use, 2 gather
-  auto visit = [&](int i, bool record) {
-    const auto& in = rp.instructions[i];
-    if (in.op == Op::Forward || in.op == Op::Backward) {
-      const auto gs = groups_of(in);
-      if (record) for (int g : gs) keep_after_use_[i][g] = next[g] == 1;
-      for (int g : gs) next[g] = 1;
-    } else if (in.op == Op::AllGather && in.purpose == Purpose::ParamGather && in.bucket >= 0 && in.bucket < G) {
-      next[in.bucket] = 2;
-    }
-  };
-  // The step repeats: after the last instruction comes the first event of the next step.
-  for (int i = n - 1; i >= 0; --i) visit(i, false);
-  for (int i = n - 1; i >= 0; --i) visit(i, true);
-  for (int g = 0; g < G; ++g) {
-    bool gathered_ever = false;
-    for (const auto& in : rp.instructions)
-      if (in.op == Op::AllGather && in.purpose == Purpose::ParamGather && in.bucket == g) gathered_ever = true;
-    if (!gathered_ever) {
-      persistent_.push_back(g);
-      for (auto& row : keep_after_use_) row[g] = true;
-    }
-  }
-}
 
 // ---- communication ------------------------------------------------------------------------
 void ZeroState::reduce_gradients(const Instruction& in) {
@@ -510,34 +374,6 @@ void ZeroState::accumulate(int bucket, int64_t acc_offset, const at::Tensor& red
   d2h_pending_[bucket].push_back({acc_offset, reduced.clone()});
 }
 
-void ZeroState::copy_gradients_to_host(int bucket) {
-  auto it = d2h_pending_.find(bucket);
-  if (it == d2h_pending_.end()) return;
-  for (auto& [off, t] : it->second) {
-    count_copy(Op::CopyD2H, Purpose::OffloadGradient, double(t.numel()) * elt16());
-    at::Tensor acc = grad_acc_.narrow(0, off, t.numel());
-    if (t.is_cpu()) {
-      host_accumulate(acc, t, scale_for_average());
-      continue;
-    }
-    // Into a pinned buffer of its own (the copy runs at the bus's pinned rate) on a side stream,
-    // then added on the host by the worker once copied, leaving two cores to the thread that
-    // drives the GPU: the copy and the sum overlap the backward, as DeepSpeed's do.
-    at::Tensor host = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
-    auto copied = copy_to_host_async(host, t);
-    const double scale = scale_for_average();
-    const int threads = host_accumulate_threads();
-    if (measuring_) host_acc_bytes_ += 10.0 * double(t.numel());  // read 2 + 4, write 4 (host_accumulate)
-    host_acc_.submit([acc, host, scale, threads, copied, waited = &host_copy_wait_seconds_]() mutable {
-      const auto t0 = Clock::now();
-      copied();
-      *waited += seconds_since(t0);  // only the worker writes it; read after drain()
-      host_accumulate(acc, host, scale, threads);
-    });
-  }
-  d2h_pending_.erase(it);
-}
-
 void ZeroState::count_copy(Op op, Purpose p, double bytes) {
   copy_bytes_[{op, p}] += bytes;
   copy_calls_[{op, p}] += 1;
@@ -596,14 +432,6 @@ void ZeroState::keep_for_step(int k) {
   }
   held_for_step_[k] = true;
   grad_dirty_[k] = false;
-}
-
-void ZeroState::drop_group_grad(int g) {
-  for (int v : group_units_[g])
-    for (auto& leaf : p16_[v]) leaf.mutable_grad() = at::Tensor();
-  gradg_bytes_ -= bytes(gradg_[g]);
-  gradg_[g] = at::Tensor();
-  grad_dirty_[g] = false;
 }
 
 // ---- stage 2: per-bucket gradient buffers (DeepSpeed's ipg buckets) ----------------------------
@@ -705,46 +533,6 @@ void ZeroState::gather_params(const Instruction& in) {
   }
 }
 
-void ZeroState::gather_group(int gi, const Instruction* in) {
-  const auto& g = part_.stage3_groups[gi];
-  if (in) check_bytes(*in, double(g.padded_numel()) * elt16());
-  at::Tensor mine = shard16_.narrow(0, group_shard_offset_[gi], g.shard_numel);
-  if (offload_param_) {
-    auto st = staged_.find(gi);
-    if (st != staged_.end()) {
-      mine = st->second;
-      staged_.erase(st);
-    } else {
-      mine = mine.to(dev_);  // not fetched by the Program (dp = 1 or a persistent layer)
-    }
-  }
-  auto out = at::empty({g.padded_numel()}, mine.options());
-  auto refill = [this, gi, out, mine]() {
-    at::NoGradGuard ng;
-    const int64_t numel = part_.stage3_groups[gi].numel;
-    reallocate_storage(full16_[gi], size_t(numel) * size_t(elt16()));
-    // Write through an alias with its own version counter: the leaves (views of full16_) that
-    // autograd saved in forward must not look modified when their layer is refilled for
-    // backward (DeepSpeed writes param.data for the same reason).
-    at::Tensor alias = at::empty({0}, full16_[gi].options());
-    alias.set_(full16_[gi].storage(), 0, {numel}, {1});
-    gathered_to_full(gi, out, alias);
-    gathered_[gi] = true;
-  };
-  if (!in && dp_ == 1) {
-    out.copy_(mine);
-    refill();
-    return;
-  }
-  auto work = dp_comm_->all_gather(out, mine, in ? in->purpose : Purpose::None);
-  // A prefetched layer is refilled when it is first used.
-  if (in) defer({Deferred::Gather3, gi, -1, work, refill});
-  else {
-    work->wait();
-    refill();
-  }
-}
-
 // ---- overlap (zero_state.hpp) ----------------------------------------------------------------
 void ZeroState::defer(Deferred d) {
   if (!overlap_) {
@@ -829,55 +617,6 @@ at::Tensor ZeroState::counted_sum_of_squares(const at::Tensor& acc) const {
     for (const auto& [off, n] : norm_ranges_) sumsq.add_(sum_of_squares(acc.narrow(0, off, n)));
   }
   return sumsq;
-}
-
-// The host's gradient sums must be complete before the step reads them; the wait is the part of
-// the offloaded gradients' handling that did not overlap the backward (timed as CopyD2H).
-void ZeroState::drain_host_accumulation() {
-  if (!offload_) return;
-  auto t0 = Clock::now();
-  host_acc_.drain();
-  inner_seconds_["copy_d2h"] += seconds_since(t0);
-}
-
-// ZeRO-Offload's step on the host, chunk by chunk, each chunk's updated parameters written in
-// the same pass into a pinned 16-bit buffer and copied to the device (DeepSpeed's CPUAdam
-// step-plus-copy): the Program's HostOptimizerStep and its CopyH2D, the copy timed as the latter.
-void ZeroState::host_step_and_publish(const at::Tensor& g, const AdamWHyper& hyper, int64_t adam_step) {
-  const bool pieces = stage_ == 3 && cfg_.ft.active;  // the trainable shards, then into shard16_
-  at::Tensor dst = stage_ == 0 ? flat16_ : stage_ <= 2 ? flat16_.narrow(0, part_.shard(dpr_).begin, part_.shard_numel)
-                               : pieces ? at::empty({master_.numel()}, shard16_.options())
-                                        : shard16_;
-  inner_seconds_["copy_h2d"] += dssim::tb::host_step_and_publish(master_, g, exp_avg_, exp_avg_sq_, adam_step, hyper,
-                                                                 dst, staging16_);
-  if (pieces) trainable_pieces(dst, shard16_, true);
-  const int64_t n = master_.numel();
-  count_copy(Op::CopyH2D, Purpose::OffloadParam, double(n) * elt16());  // the Program's CopyH2D
-}
-
-void ZeroState::copy_d2h(const Instruction& in) {
-  flush([](const Deferred& d) { return d.kind == Deferred::Reduce; });
-  if (!offload_ || in.purpose != Purpose::OffloadGradient)
-    throw std::runtime_error("Program error: device-to-host copy without optimizer offload");
-  if (in.bucket >= 0 && in.bucket < int(grad_dirty_.size())) fold_local_bucket(in.bucket);
-  copy_gradients_to_host(in.bucket);
-}
-
-void ZeroState::copy_h2d(const Instruction& in) {
-  if (in.purpose != Purpose::OffloadParam) throw std::runtime_error("Program error: unexpected host-to-device copy");
-  if (in.layer_begin >= 0) {  // ZeRO-3 offload_param: fetch a layer's 16-bit shard
-    if (!offload_param_) throw std::runtime_error("Program error: parameter fetch without offload_param");
-    const int g = in.layer_begin;
-    const auto& grp = part_.stage3_groups.at(g);
-    check_bytes(in, double(grp.shard_numel) * elt16());
-    staged_[g] = shard16_.narrow(0, group_shard_offset_[g], grp.shard_numel).to(dev_);
-    count_copy(Op::CopyH2D, Purpose::OffloadParam, double(grp.shard_numel) * elt16());
-    // A group no all-gather refills (one rank: no data-parallel group) stays resident: the
-    // fetched shard, updated by the last step, refills it here (it was used stale before).
-    if (std::find(persistent_.begin(), persistent_.end(), g) != persistent_.end()) gather_group(g, nullptr);
-    return;
-  }
-  // The updated shard came back to the device inside the host step (host_step_and_publish).
 }
 
 // The updated master shard -> this rank's 16-bit copy (the Program's all-gathers send the rest).
@@ -978,14 +717,6 @@ void ZeroState::start_measuring() {
   host_acc_.take_stats();
   host_acc_bytes_ = 0;
   host_copy_wait_seconds_ = 0;
-}
-
-void ZeroState::host_offload_stats(std::map<std::string, double>& out) {
-  const auto st = host_acc_.take_stats();
-  out["accumulate_seconds"] = st.busy_seconds;
-  out["accumulate_bytes"] = host_acc_bytes_;
-  out["submit_wait_seconds"] = st.submit_wait_seconds;
-  out["copy_wait_seconds"] = host_copy_wait_seconds_;
 }
 
 // The engine's own buffers by category (engine.cpp run() adds the experts' and 1-bit Adam's).

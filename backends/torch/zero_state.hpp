@@ -5,6 +5,8 @@
 // collectives with the compute, ZeRO-Offload's host gradient sums and step, and the optimizer's
 // sharded fp32 state. The engine interprets the Program and calls in here for the ZeRO
 // instructions and for the parameters and gradient buffers its compute uses.
+// Implemented in zero_state.cpp (layout, buffers, reductions, optimizer), zero3_groups.cpp (stage 3's
+// layer groups) and zero_offload.cpp (ZeRO-Offload's host side).
 #pragma once
 #include <algorithm>
 #include <chrono>
