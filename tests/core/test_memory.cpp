@@ -284,6 +284,41 @@ TEST_CASE("MoE: expert params over ep, expert states over dp / ep", "[memory]") 
   CHECK(peak_memory(t).optimizer == Approx(12 * (dense_tp / 16 + 6 * 2 * expert / 4)));
 }
 
+// What an MoE layer keeps beyond a dense one (the torch engine's moe.cpp, index-based dispatch and
+// combine): the experts' inputs on the routed slots (2h + 4 ffn each) for the dense MLP's 4 ffn per
+// token; the fp32 gate probabilities (4 E per token); the gate's fp32 input (4h per token) for the
+// 16-bit MLP input (2h, which the dispatch does not keep); the dispatch's top_k gathered token rows
+// (index_copy keeps its source) and the combine's top_k gathered expert rows (2h each).
+TEST_CASE("MoE layer activations: routed expert inputs, the gate's fp32 input and probabilities, the combine's rows", "[memory]") {
+  ModelSpec m = gpt(12, 1024, 16);
+  m.experts = 8;
+  m.top_k = 2;
+  m.capacity_factor = 1.25;
+  const double s = m.seq_len, b = 4, h = 1024, f = 4 * h, E = 8, k = 2;
+  const double sbh = s * b * h;
+  for (Dtype d : {Dtype::bf16, Dtype::fp32}) {
+    const double sc = d == Dtype::fp32 ? 2 : 1;
+    const double routed = moe_routed_slots(m, s * b);
+    REQUIRE(routed > 0);
+    const double moe = activation_bytes_per_layer(m, 4, 1, false, Recompute::none, true, d);
+    const double dense = activation_bytes_per_layer(m, 4, 1, false, Recompute::none, false, d);
+    INFO("dtype " << to_string(d));
+    CHECK(moe - dense == Approx(routed * (2 * h + 4 * f) * sc - 4 * sc * s * b * f + 4 * s * b * E +
+                                (4 - 2 * sc) * sbh + 2 * 2 * sc * k * sbh));
+  }
+  // bf16 at the measured record's shape (GPT 350M, s 2048, b 8, 8 experts, top-2, capacity 1.25):
+  // 167.8 MB more a layer than the experts alone, 10 bytes x s b h.
+  ModelSpec r = gpt(24, 1024, 16);
+  r.seq_len = 2048;
+  r.experts = 8;
+  r.top_k = 2;
+  r.capacity_factor = 1.25;
+  const double with = activation_bytes_per_layer(r, 8, 1, false, Recompute::none, true);
+  const double experts_only = moe_routed_slots(r, 2048 * 8) * (2 * 1024 + 4 * 4096) + 4.0 * 2048 * 8 * 8;
+  const double dense = activation_bytes_per_layer(r, 8, 1, false, Recompute::none, false);
+  CHECK(with - (dense - 4.0 * 2048 * 8 * 4096) - experts_only == Approx(10.0 * 2048 * 8 * 1024));
+}
+
 TEST_CASE("fp32 training: 4-byte params and grads, 8-byte Adam moments", "[memory]") {
   const ModelSpec m = gpt(12, 1024, 16);
   const double psi = parameter_count(m);
