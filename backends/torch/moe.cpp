@@ -234,10 +234,14 @@ at::Tensor moe_mlp_forward(MoeLayer& L, const at::Tensor& gate_w, const at::Tens
   auto dispatched = drop_tokens(tp, moe_dispatch(tokens, r, E).view({E, C, h})).reshape({E * Ct, h});
   // Rank j receives experts [j local, (j + 1) local) of every rank: [source rank, local expert, Ct, h].
   auto received = exchange(*L.ep, dispatched, Purpose::MoEDispatch).view({ep, local, Ct, h});
+  // One view per local expert by unbind, whose backward stacks the experts' input gradients in one
+  // pass; a select per expert would build a zero-filled gradient of all of `received` for each and
+  // add them up (2 local experts: 2 x 3 passes over the slot buffer, 8: 8 x 3).
+  const std::vector<at::Tensor> per_expert = received.unbind(1);
   std::vector<at::Tensor> outs;
   for (int64_t e = 0; e < local; ++e) {
     const auto& p = L.experts[e];
-    auto in = received.select(1, e).reshape({ep * Ct, h});
+    auto in = per_expert[e].reshape({ep * Ct, h});
     if (in.scalar_type() != p[0].scalar_type()) in = in.to(p[0].scalar_type());
     auto y = at::linear(at::gelu(at::linear(in, p[0], p[1]), "tanh"), p[2], p[3]);
     outs.push_back(y.to(x.scalar_type()).view({ep, Ct, h}));
