@@ -981,7 +981,11 @@ EngineResult Engine::run() {
   zero_->gather_persistent();
   res.first_step = step_ + 1;
   const int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
-  const double static_bytes = peak_memory_bytes();
+  // What is resident as training starts (on a GPU the allocator's current bytes, not its peak: set-up
+  // transients such as the experts' fp32 initialisation are not model state; on the host the
+  // process's high-water mark, the only figure there is).
+  const double cuda_resident = cuda_allocated_bytes(dev_);
+  const double static_bytes = cuda_resident >= 0 ? cuda_resident : peak_memory_bytes();
   int done = 0;
   while (step_ < o_.steps) {
     if (rank_ == o_.kill_rank && step_ + 1 == o_.kill_at_step) {
