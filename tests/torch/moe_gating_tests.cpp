@@ -1,11 +1,14 @@
 // backends/torch/moe.cpp's gate against references written out here token by token: DeepSpeed's
 // capacity formula, which assignments are kept and where they land, the dropped counts, the
 // renormalised top-2 weights and the load-balancing loss (deepspeed/moe/sharded_moe.py).
+#include <malloc.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
 #include <torch/torch.h>
 #include "backends/torch/moe.hpp"
+#include "core/memory.hpp"
+#include "core/model.hpp"
 #include "backends/torch/torch_compat.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
@@ -206,4 +209,67 @@ TEST_CASE("the gate's gradient reaches the logits through the combine weights an
   (r.weight.sum() + r.l_aux).backward();
   REQUIRE(logits.grad().defined());
   CHECK(logits.grad().abs().sum().item<double>() > 0);
+}
+
+// What an MoE layer keeps for its backward, counted on the host heap (glibc's mallinfo2: the main
+// arena's bytes in use plus the mmapped ones; every tensor here is allocated on this thread), against
+// core/memory.cpp's count. fp32, where libtorch's CPU linears keep only their inputs (its bf16 CPU
+// GEMMs hold tens of kB more; the bf16 count was measured on a GPU, docs/torch-backend.md). The
+// layer's input stands for the LayerNorm output a block feeds it: the model counts that in the
+// block's replicated part (2 sc h a token) and takes it back in the MoE term, where the gate's fp32
+// input (4h) replaces it; in fp32 the gate's input is the input itself, so nothing new. New here:
+// slots (2h + 4 ffn) sc + 4 E + 4 sc top_k h per token (the experts' inputs, GeLU's input and
+// output; the gate probabilities; the dispatch's and the combine's gathered rows).
+namespace {
+double heap_bytes() {
+  const struct mallinfo2 mi = ::mallinfo2();
+  return double(mi.uordblks) + double(mi.hblkhd);
+}
+}  // namespace
+
+TEST_CASE("an MoE layer keeps what core/memory counts for it (fp32, top-2, on the host heap)", "[moe][memory]") {
+  at::set_num_threads(1);
+  ModelSpec m = moe_model(4, 2, 1.25);
+  m.hidden = 512;
+  m.ffn_hidden = 2048;
+  m.seq_len = 64;
+  const int64_t B = 2, S = m.seq_len, h = m.hidden, f = m.ffn_hidden, E = m.experts, T = B * S;
+  auto gen = seeded_generator(at::Device(at::kCPU), 7);
+  const auto param = [&](std::vector<int64_t> shape, double std) {
+    auto t = at::empty(shape);
+    t.normal_(0.0, std, gen);
+    return t.requires_grad_(true);
+  };
+  ExpertParallel ep;
+  MoeLayer L;
+  L.model = &m;
+  L.ep = &ep;
+  L.seed = 11;
+  for (int64_t e = 0; e < E; ++e)
+    L.experts.push_back({param({f, h}, 0.02), param({f}, 0.02), param({h, f}, 0.02), param({h}, 0.02)});
+  const at::Tensor gate_w = param({E, h}, 0.02);
+  const at::Tensor x = param({B, S, h}, 1.0);
+
+  const double before = heap_bytes();
+  at::Tensor out = moe_mlp_forward(L, gate_w, x);
+  const double kept = heap_bytes() - before - double(out.numel()) * double(out.element_size());
+  const double slots = moe_routed_slots(m, double(T));
+  REQUIRE(slots == double(E * L.capacity));
+  const double sc = 2;  // fp32: twice the 2-byte terms
+  const double moe = activation_bytes_per_layer(m, int(B), 1, false, Recompute::none, true, Dtype::fp32);
+  const double dense = activation_bytes_per_layer(m, int(B), 1, false, Recompute::none, false, Dtype::fp32);
+  // The MoE term (moe - dense), plus the dense MLP's 4 sc ffn it replaces and the MLP input's 2 sc h
+  // it takes back, less the gate's input (the layer's input itself in fp32).
+  const double modelled = moe - dense + 4 * sc * T * f + 2 * sc * T * h - 4.0 * T * h;
+  REQUIRE(modelled == Approx(slots * (2 * h + 4 * f) * sc + 4.0 * T * E + 4 * sc * m.top_k * T * h));
+  INFO("kept " << kept << " bytes, modelled " << modelled);
+  // The rest, about 110 kB (1.6 %) here: [T, E] masks, the routing's indices, the allocator's headers.
+  REQUIRE(kept == Approx(modelled).epsilon(0.03));
+  // Without the dispatch's and the combine's gathered rows the model was 11 % short here.
+  REQUIRE(kept - (modelled - 4 * sc * m.top_k * T * h) > 0.1 * modelled);
+  // The graph holds all of it: gone with the output and the load-balancing loss.
+  out = at::Tensor();
+  L.l_aux = at::Tensor();
+  L.dropped = at::Tensor();
+  REQUIRE(std::abs(heap_bytes() - before) < 0.01 * modelled);
 }
