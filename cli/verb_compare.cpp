@@ -147,7 +147,7 @@ int verb_compare(int argc, char** argv) {
     }
     const validation::Comparison c = validation::compare(sc, predict_with_kinds(sc, predictor), measured);
     if (vm.count("record") && !c.unpriced.empty())
-      throw ConfigError("--record: " + c.unpriced + ". Measure again without DSSIM_ZERO3_FOLD for a record");
+      throw ConfigError("--record: " + c.unpriced + "; a record must be priced like for like: measure again without it");
     if (vm.count("record")) write_file_atomically(vm["record"].as<std::string>(), record.dump(1) + "\n");
     if (vm.count("json"))
       std::cout << c.to_json().dump(2) << "\n";

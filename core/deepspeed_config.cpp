@@ -571,8 +571,6 @@ struct Mapper {
     }
   }
 
-  // DeepSpeed's get_communication_data_type: fp32 / fp16 / bf16 (bfp16), any case; null = the
-  // compute dtype. The data-parallel gradient reduction moves that dtype (core/program_builder.cpp).
   // A DeepSpeed dtype name at key k, as `names` spells them (lower case -> fp32 / fp16 / bf16):
   // nullopt for null, and for "auto" (kept as auto for `target`); anything else fails.
   std::optional<std::string> dtype_name(const std::string& k, const json& v, const char* target,
@@ -589,6 +587,8 @@ struct Mapper {
     fail(k, "expected \"fp32\", \"fp16\" or \"bf16\" (DeepSpeed refuses anything else), got " + v.dump());
   }
 
+  // DeepSpeed's get_communication_data_type: fp32 / fp16 / bf16 (bfp16), any case; null = the
+  // compute dtype. The data-parallel gradient reduction moves that dtype (core/program_builder.cpp).
   void communication_data_type(const json& v) {
     const std::string k = "communication_data_type";
     static const std::map<std::string, std::string> names = {

@@ -113,7 +113,8 @@ for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
 for LOSS in $LOSSES; do
-cat > "$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml" <<EOF
+SCEN="$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml"
+cat > "$SCEN" <<EOF
 # $SHAPE on one $CARD, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
 name: ${PRESET}_${CARD_TAG}_zero${STAGE}
 model:
@@ -137,7 +138,7 @@ EOF
 
 RUN="${TAG}_${LOSS}"
 echo "== dssim run (torch backend, C++), model.cross_entropy: $LOSS"
-"$BUILD/dssim_torch_run" "$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
+"$BUILD/dssim_torch_run" "$SCEN" --backend cuda --nproc 1 --steps $((STEPS + 2)) --warmup 2 \
   --json > "$OUT/dssim_$RUN.json" 2> >(tee "$OUT/dssim_$RUN.stderr" >&2) || { echo "dssim run failed"; exit 1; }
 python3 - "$OUT/dssim_$RUN.json" <<'EOF'
 import json, sys
