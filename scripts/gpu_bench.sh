@@ -82,6 +82,18 @@ if [[ -n $LAYERS ]]; then
   DIMS="--layers $LAYERS ${DIMS#--layers * }"
   SHAPE="$SHAPE with $LAYERS layers"
 fi
+# The scenario names the card it runs on (its preset's GPU gives the MFU's peak).
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true
+[[ -n $CARD ]] || { echo "gpu_bench.sh: nvidia-smi finds no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+case "$CARD" in
+  *H100*) CLUSTER=dgx-h100-ndr CARD_TAG=h100 ;;
+  *H200*) CLUSTER=hgx-h200-ndr CARD_TAG=h200 ;;
+  *A100*40GB*) CLUSTER=dgx-a100-40gb-hdr CARD_TAG=a100 ;;
+  *A100*) CLUSTER=dgx-a100-hdr CARD_TAG=a100 ;;
+  *) echo "gpu_bench.sh: no cluster preset in scenarios/clusters/ for the card '$CARD' (its peak gives the MFU column);" \
+          "add one and a case here" >&2
+     exit 2 ;;
+esac
 source "$ROOT/scripts/gpu_common.sh"
 rm -f "$OUT/summary.txt"
 gpu_build dssim_torch_run
@@ -106,9 +118,6 @@ for extra in "--set zero.stage=0 --set precision.dtype=fp32" \
   fi
 done
 
-# The scenario names the card it runs on (its preset's GPU gives the MFU's peak).
-CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$CARD" in *H100*) CLUSTER=dgx-h100-ndr CARD_TAG=h100 ;; *) CLUSTER=hgx-h200-ndr CARD_TAG=h200 ;; esac
 for CFG in $CONFIGS; do
 MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
