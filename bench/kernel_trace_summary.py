@@ -5,8 +5,16 @@ last, the time the GPU ran at least one kernel, the idle gaps, kernel time by na
 gaps with the kernels either side (where the GPU waits for the host).
 
     python3 bench/kernel_trace_summary.py TRACE.json [--top 30] [--gaps 15]
+    python3 bench/kernel_trace_summary.py TRACE.json --by-instruction [--top 30]
+
+--by-instruction: the engine names each instruction's range in the trace ("dssim forward/none mb 0
+layers 0+24"); each kernel goes to the instruction whose range holds its launch, and within an
+instruction kind the kernels are summed by the op that launched them (with its input shapes) and
+the kernel's name, per instruction: what to set against the device model's op list for the same
+scenario (build/bench/layer_ops SCENARIO).
 """
 import argparse
+import bisect
 import collections
 import json
 
@@ -16,12 +24,16 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--gaps", type=int, default=15, help="list the N largest idle gaps")
+    ap.add_argument("--by-instruction", action="store_true",
+                    help="kernel time per instruction kind, by launching op and kernel")
     a = ap.parse_args()
     events = json.load(open(a.trace))
     events = events["traceEvents"] if isinstance(events, dict) else events
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         raise SystemExit("no CUDA kernels in %s" % a.trace)
+    if a.by_instruction:
+        return by_instruction(events, kernels, a.top)
     kernels.sort(key=lambda e: float(e["ts"]))
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
     busy, gaps, end, last = 0.0, [], spans[0][0], None
@@ -56,6 +68,55 @@ def main():
             ops = sorted((e for e in host if t0 <= float(e["ts"]) < t0 + g), key=lambda e: -float(e["dur"]))[:4]
             if ops:
                 print("                     host: " + ", ".join("%s %.0f" % (e["name"][:40], float(e["dur"])) for e in ops))
+
+
+def dims(op):
+    d = op.get("args", {}).get("Input Dims") or []
+    return " ".join("[%s]" % ",".join(str(x) for x in t) for t in d if t)
+
+
+def by_instruction(events, kernels, top):
+    scopes = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                     and e.get("name", "").startswith("dssim ")), key=lambda e: float(e["ts"]))
+    if not scopes:
+        raise SystemExit("no dssim instruction ranges in the trace (taken before the engine named them?)")
+    starts = [float(e["ts"]) for e in scopes]
+    launch_ts = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = {e["args"]["External id"]: e for e in events
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    # kind -> {instances, kernel us, span us, {(op, kernel): [us, calls]}}
+    kinds = collections.OrderedDict()
+    first_last = {}  # scope index -> [first kernel start, last kernel end]
+    unplaced = 0.0
+    for k in kernels:
+        t = launch_ts.get(k.get("args", {}).get("correlation"))
+        i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        if i < 0 or t > starts[i] + float(scopes[i]["dur"]):
+            unplaced += float(k["dur"])
+            continue
+        kind = " ".join(scopes[i]["name"].split()[1:2])
+        entry = kinds.setdefault(kind, {"scopes": set(), "us": 0.0, "rows": collections.defaultdict(lambda: [0.0, 0])})
+        entry["scopes"].add(i)
+        entry["us"] += float(k["dur"])
+        op = ops.get(k.get("args", {}).get("External id"))
+        label = (op["name"] + " " + dims(op)) if op else "(no op)"
+        row = entry["rows"][(label, k["name"])]
+        row[0] += float(k["dur"])
+        row[1] += 1
+        s, e = float(k["ts"]), float(k["ts"]) + float(k["dur"])
+        fl = first_last.setdefault(i, [s, e])
+        fl[0], fl[1] = min(fl[0], s), max(fl[1], e)
+    for kind, entry in kinds.items():
+        n = len(entry["scopes"])
+        span = sum(first_last[i][1] - first_last[i][0] for i in entry["scopes"])
+        print("\n%s: %d instructions; per instruction: kernels %.3f ms, first kernel to last %.3f ms" % (
+            kind, n, entry["us"] / n / 1e3, span / n / 1e3))
+        print("%10s %7s  %-60s %s" % ("ms/instr", "calls", "op [input dims]", "kernel"))
+        for (label, name), (us, calls) in sorted(entry["rows"].items(), key=lambda kv: -kv[1][0])[:top]:
+            print("%10.3f %7.1f  %-60s %s" % (us / n / 1e3, calls / n, label[:60], name[:70]))
+    if unplaced:
+        print("\nkernels launched outside any instruction: %.3f ms" % (unplaced / 1e3))
 
 
 if __name__ == "__main__":

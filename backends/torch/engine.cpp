@@ -16,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <unistd.h>
+#include <ATen/record_function.h>
 #include <nlohmann/json.hpp>
 #include "backends/torch/checkpoint.hpp"
 #include "backends/torch/env.hpp"
@@ -802,6 +803,13 @@ class Engine {
     return a == b && (a == Op::Forward || a == Op::Backward);
   }
 
+  // "dssim forward/none mb 2 layers 0+24": the instruction's range name in a kernel trace.
+  static std::string instruction_label(const Instruction& in) {
+    return std::string("dssim ") + to_string(in.op) + "/" + to_string(in.purpose) + " mb " +
+           std::to_string(in.micro_batch) + " layers " + std::to_string(in.layer_begin) + "+" +
+           std::to_string(in.layer_count);
+  }
+
   void execute(const RankProgram& rp, std::vector<EngineResult::MemoryPoint>* timeline) {
     for (pc_ = 0; pc_ < rp.instructions.size(); ++pc_) {
       const Instruction& in = rp.instructions[pc_];
@@ -813,6 +821,10 @@ class Engine {
         peak_seen_ = std::max(peak_seen_, cuda_peak_allocated_bytes(dev_));
         cuda_reset_peak(dev_);
       }
+      // In a kernel trace (DSSIM_KERNEL_TRACE) each instruction is a named range, so the trace's
+      // kernels can be told apart by instruction (bench/kernel_trace_summary.py --by-instruction).
+      const std::string label = kernel_tracing_ ? instruction_label(in) : std::string();
+      RECORD_USER_SCOPE(label);
       auto t0 = Clock::now();
       const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
       const double cw0 = zero_->comm_wait_seconds();
@@ -958,7 +970,7 @@ class Engine {
   int64_t step_ = 0, adam_step_ = 0;
   size_t pc_ = 0;
   double step_scale_ = 1;
-  bool step_skipped_ = false, measuring_ = false;
+  bool step_skipped_ = false, measuring_ = false, kernel_tracing_ = false;
   double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
   std::map<std::string, double> inner_seconds_;  // by instruction kind, see execute()
   std::map<std::string, double> seconds_by_op_, expected_;
@@ -1008,6 +1020,7 @@ EngineResult Engine::run() {
     // DSSIM_KERNEL_TRACE=FILE: rank 0's last step as a kineto trace (CUDA builds).
     static const std::string trace_file = env_str("DSSIM_KERNEL_TRACE", "");
     const bool tracing = !trace_file.empty() && rank_ == 0 && step_ + 1 == o_.steps && kernel_trace_start();
+    kernel_tracing_ = tracing;
     auto t0 = Clock::now();
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
@@ -1026,6 +1039,7 @@ EngineResult Engine::run() {
     sync();
     const double dt = seconds_since(t0);
     if (tracing) kernel_trace_stop(trace_file);
+    kernel_tracing_ = false;
     step_ += 1;
     done += 1;
     // Mean loss over micro-batches and ranks (control traffic, not the Program's).

@@ -1,6 +1,7 @@
 // The block's MLP and biased linears with bias, GELU and bias gradients in cuBLASLt epilogues
 // (gemm_epilogues.hpp says which GEMM does what).
 #include "backends/torch/gemm_epilogues.hpp"
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <cstdint>
@@ -110,6 +111,14 @@ void* workspace(const at::Tensor& like, void* stream) {
 // epilogue is turned off or cuBLASLt has no kernel for it (the caller runs ATen's ops).
 bool run(const LtGemm& g, const at::Tensor& like) {
   if (!enabled(g.epilogue)) return false;
+  // In a kernel trace (DSSIM_KERNEL_TRACE) a named op, "dssim::lt_gemm gelu_aux_bias m 8192 n
+  // 16384 k 2048", so its kernel is told apart from ATen's GEMMs.
+  at::RecordFunction scope(at::RecordScope::FUNCTION);
+  if (scope.isActive()) {
+    static const char* const names[] = {"none", "bias", "gelu_aux_bias", "dgelu", "bgradb"};
+    scope.before(std::string("dssim::lt_gemm ") + names[int(g.epilogue)] + " m " + std::to_string(g.m) + " n " +
+                 std::to_string(g.n) + " k " + std::to_string(g.k));
+  }
   void* stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   if (cuda::lt_gemm(g, workspace(like, stream), cuda::kLtWorkspaceBytes, stream)) return true;
   if (fallbacks++ == 0)

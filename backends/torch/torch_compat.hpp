@@ -49,7 +49,9 @@ inline cudaStream_t torch_current_stream(int device) {
 inline bool kernel_trace_start() {
 #if defined(DSSIM_TORCH_CUDA)
   using torch::profiler::impl::ActivityType;
-  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  // With the ops' input shapes ("Input Dims"), so a kernel can be matched to the op that launched it.
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO,
+                                                     /*report_input_shapes=*/true);
   const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
   torch::autograd::profiler::prepareProfiler(config, activities);
   torch::autograd::profiler::enableProfiler(config, activities);
