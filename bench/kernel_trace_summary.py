@@ -75,7 +75,11 @@ def dims(op):
     return " ".join("[%s]" % ",".join(str(x) for x in t) for t in d if t)
 
 
-def by_instruction(events, kernels, top):
+def attribute(events, kernels):
+    """Kernels by instruction kind: {kind: {"instructions", "us", "span_us", "rows": {(op label,
+    kernel name): [us, calls]}}} over all instructions of the kind, and the microseconds of kernels
+    launched outside every instruction's range. A kernel belongs to the instruction whose range holds
+    its launch (the cuda_runtime event with its correlation id), whichever thread launched it."""
     scopes = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                      and e.get("name", "").startswith("dssim ")), key=lambda e: float(e["ts"]))
     if not scopes:
@@ -85,7 +89,6 @@ def by_instruction(events, kernels, top):
                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops = {e["args"]["External id"]: e for e in events
            if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
-    # kind -> {instances, kernel us, span us, {(op, kernel): [us, calls]}}
     kinds = collections.OrderedDict()
     first_last = {}  # scope index -> [first kernel start, last kernel end]
     unplaced = 0.0
@@ -95,23 +98,32 @@ def by_instruction(events, kernels, top):
         if i < 0 or t > starts[i] + float(scopes[i]["dur"]):
             unplaced += float(k["dur"])
             continue
-        kind = " ".join(scopes[i]["name"].split()[1:2])
+        kind = scopes[i]["name"].split()[1]
         entry = kinds.setdefault(kind, {"scopes": set(), "us": 0.0, "rows": collections.defaultdict(lambda: [0.0, 0])})
         entry["scopes"].add(i)
         entry["us"] += float(k["dur"])
         op = ops.get(k.get("args", {}).get("External id"))
-        label = (op["name"] + " " + dims(op)) if op else "(no op)"
+        label = (op["name"] + " " + dims(op)).strip() if op else "(no op)"
         row = entry["rows"][(label, k["name"])]
         row[0] += float(k["dur"])
         row[1] += 1
         s, e = float(k["ts"]), float(k["ts"]) + float(k["dur"])
         fl = first_last.setdefault(i, [s, e])
         fl[0], fl[1] = min(fl[0], s), max(fl[1], e)
+    out = collections.OrderedDict()
     for kind, entry in kinds.items():
-        n = len(entry["scopes"])
-        span = sum(first_last[i][1] - first_last[i][0] for i in entry["scopes"])
+        out[kind] = {"instructions": len(entry["scopes"]), "us": entry["us"],
+                     "span_us": sum(first_last[i][1] - first_last[i][0] for i in entry["scopes"]),
+                     "rows": dict(entry["rows"])}
+    return out, unplaced
+
+
+def by_instruction(events, kernels, top):
+    kinds, unplaced = attribute(events, kernels)
+    for kind, entry in kinds.items():
+        n = entry["instructions"]
         print("\n%s: %d instructions; per instruction: kernels %.3f ms, first kernel to last %.3f ms" % (
-            kind, n, entry["us"] / n / 1e3, span / n / 1e3))
+            kind, n, entry["us"] / n / 1e3, entry["span_us"] / n / 1e3))
         print("%10s %7s  %-60s %s" % ("ms/instr", "calls", "op [input dims]", "kernel"))
         for (label, name), (us, calls) in sorted(entry["rows"].items(), key=lambda kv: -kv[1][0])[:top]:
             print("%10.3f %7.1f  %-60s %s" % (us / n / 1e3, calls / n, label[:60], name[:70]))
