@@ -322,7 +322,15 @@ ExpertStore::ExpertStore(const ModelSpec& m, const std::vector<int>& moe_layers,
   const auto o32 = at::TensorOptions().dtype(at::kFloat).device(o.device);
   flat16_ = at::zeros({part_.padded_numel}, o16);
   grad16_ = at::zeros({part_.padded_numel}, o16);
-  auto full32 = at::zeros({part_.padded_numel}, o32);
+  // The fp32 master (this rank's shard at stages 1-2), the moments and the accumulator first; each
+  // tensor is then drawn in fp32 on its own and copied into the 16-bit copy and the master, so
+  // set-up never holds more than the steady state and one tensor (a whole fp32 buffer drawn first
+  // and sharded after would hold 4 bytes an expert parameter more while the moments allocate).
+  const Range mine = o.stage == 0 ? Range{0, part_.padded_numel} : part_.shard(o.edp_rank);
+  master_ = at::zeros({o.stage == 0 ? part_.padded_numel : part_.shard_numel}, o32);
+  exp_avg_ = at::zeros_like(master_);
+  exp_avg_sq_ = at::zeros_like(master_);
+  grad_acc_ = at::zeros_like(master_);
   // Each expert initialised from (seed, layer, global expert): the same weights at any ep.
   const double scaled = 0.02 / std::sqrt(2.0 * m.layers);
   int64_t off = 0;
@@ -331,13 +339,17 @@ ExpertStore::ExpertStore(const ModelSpec& m, const std::vector<int>& moe_layers,
     for (int e = 0; e < local_; ++e) {
       const uint64_t global = uint64_t(o.ep_rank) * uint64_t(local_) + uint64_t(e);
       auto gen = seeded_generator(o.device, splitmix(o.seed ^ splitmix(uint64_t(layers_[li]) * 1000003ull + global + 0x5eed)));
-      std::vector<at::Tensor> ps, gs;
+      std::vector<at::Tensor> ps;
       for (size_t i = 0; i < shapes.size(); ++i) {
         int64_t n = 1;
         for (auto d : shapes[i]) n *= d;
-        auto w = full32.narrow(0, off, n);
-        if (i == 0) w.normal_(0.0, 0.02, gen);
-        if (i == 2) w.normal_(0.0, scaled, gen);
+        if (i == 0 || i == 2) {  // weights drawn in fp32; biases stay zero
+          auto w = at::empty({n}, o32);
+          w.normal_(0.0, i == 0 ? 0.02 : scaled, gen);
+          flat16_.narrow(0, off, n).copy_(w);
+          const int64_t b = std::max(off, mine.begin), end = std::min(off + n, mine.end());
+          if (end > b) master_.narrow(0, b - mine.begin, end - b).copy_(w.narrow(0, b - off, end - b));
+        }
         ps.push_back(flat16_.narrow(0, off, n).view(shapes[i]).detach().requires_grad_(true));
         ps.back().mutable_grad() = grad16_.narrow(0, off, n).view(shapes[i]);
         off += n;
@@ -345,11 +357,6 @@ ExpertStore::ExpertStore(const ModelSpec& m, const std::vector<int>& moe_layers,
       leaves_[li].push_back(ps);
     }
   }
-  flat16_.copy_(full32);
-  master_ = o.stage == 0 ? full32 : full32.narrow(0, part_.shard(o.edp_rank).begin, part_.shard_numel).clone();
-  exp_avg_ = at::zeros_like(master_);
-  exp_avg_sq_ = at::zeros_like(master_);
-  grad_acc_ = at::zeros_like(master_);
   reduced_.assign(part_.grad_buckets.size(), false);
 }
 

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <vector>
 #include <torch/torch.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <memory>
+#include "backends/torch/comm.hpp"
 #include "backends/torch/moe.hpp"
 #include "core/memory.hpp"
 #include "core/model.hpp"
@@ -272,4 +276,47 @@ TEST_CASE("an MoE layer keeps what core/memory counts for it (fp32, top-2, on th
   L.l_aux = at::Tensor();
   L.dropped = at::Tensor();
   REQUIRE(std::abs(heap_bytes() - before) < 0.01 * modelled);
+}
+
+// ExpertStore's set-up holds no more than its steady state and one fp32 tensor: every byte the CPU
+// allocator hands out while it builds is seen (libtorch's memory reporting, the hook its profiler
+// uses), so the peak is exact. Drawing the whole fp32 buffer first and sharding it after held
+// 4 bytes an expert parameter more while the moments allocated.
+namespace {
+struct AllocationPeak final : c10::MemoryReportingInfoBase {
+  int64_t now = 0, peak = 0;
+  void reportMemoryUsage(void*, int64_t bytes, int64_t, int64_t, c10::Device) override {
+    now += bytes;
+    peak = std::max(peak, now);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+}  // namespace
+
+TEST_CASE("ExpertStore's set-up peaks at its steady state plus one fp32 tensor", "[moe][memory]") {
+  at::set_num_threads(1);
+  ModelSpec m = moe_model(4, 2, 1.25);
+  m.hidden = 256;
+  m.ffn_hidden = 1024;
+  for (int stage : {0, 1, 2}) {
+    CAPTURE(stage);
+    ExpertStore::Options o;
+    o.stage = stage;
+    o.dtype = at::kBFloat16;
+    auto edp = make_local_communicator();
+    auto reporter = std::make_shared<AllocationPeak>();
+    int64_t held = 0;
+    std::unique_ptr<ExpertStore> store;
+    {
+      c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, reporter);
+      store = std::make_unique<ExpertStore>(m, std::vector<int>{0, 2}, edp.get(), o);
+      held = reporter->now;
+    }
+    const int64_t padded = store->partition().padded_numel, shard = stage == 0 ? padded : store->partition().shard_numel;
+    // Held: the 16-bit parameters and gradients (2 + 2 bytes), the fp32 master, moments and accumulator.
+    CHECK(held == 4 * padded + 16 * shard);
+    const int64_t largest = 4 * int64_t(m.hidden) * m.ffn_hidden;  // one expert weight drawn in fp32
+    CHECK(reporter->peak <= held + largest);
+    CHECK(reporter->peak > held);  // the draw is seen
+  }
 }
