@@ -24,6 +24,7 @@
 #include "core/finetune.hpp"
 #include "core/grid.hpp"
 #include "core/model.hpp"
+#include "core/optimizer_step.hpp"
 #include "core/pipeline_engine.hpp"
 
 namespace dssim {
@@ -459,8 +460,12 @@ MemoryBreakdown stage_memory(const Scenario& sc, int stage) {
   }
   // The engine's step reads 16-bit gradients in place; with optimizer.fused_step false (the step
   // before issue 15, DeepSpeed's ZeRO optimizer too) it runs on an fp32 copy of stage 2's partition.
+  // 1-bit Adam's compressed-phase update holds its denominator's two fp32 temporaries, one piece of
+  // kOnebitStepChunkElements at a time.
   const double step_transient =
-      (mixed && !z.offload_optimizer && !fp32_grad_buffer && !sc.optimizer.fused_step) ? 4 * opt_elems : 0;
+      (mixed && !z.offload_optimizer && !fp32_grad_buffer && !sc.optimizer.fused_step) ? 4 * opt_elems
+      : sc.optimizer.onebit_compressed(zstage) ? 8 * std::min(opt_elems, double(kOnebitStepChunkElements))
+                                               : 0;
   mb.temporaries = std::max(backward_transient, step_transient - mb.activations);
   return mb;
 }

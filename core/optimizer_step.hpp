@@ -9,6 +9,11 @@ namespace dssim {
 // Mixed-precision Adam on one parameter: ~16 FLOPs.
 constexpr double kAdamFlopsPerParam = 16;
 
+// 1-bit Adam's compressed-phase update runs over the flat buffers in pieces of this many elements
+// (backends/torch/onebit_adam.cpp), so its fp32 temporaries (the denominator: two at once, 8 bytes
+// an element) hold 8 x min(this, shard) bytes, not 8 bytes a parameter of the shard.
+constexpr long long kOnebitStepChunkElements = 1LL << 22;
+
 // Folding g-byte gradients into an fp32 accumulator and zeroing them: 2g + 8 (stage 3 in its
 // backward; stages 0/1 where the step does not read the buckets in place, at the step).
 double fold_bytes_per_param(int g);

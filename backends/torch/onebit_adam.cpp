@@ -1,8 +1,10 @@
 #include "backends/torch/onebit_adam.hpp"
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include "core/optimizer_step.hpp"
 
 namespace dssim::tb {
 
@@ -143,9 +145,17 @@ void OnebitAdam::step(at::Tensor& p, const at::Tensor& m, const at::Tensor& v, i
   at::NoGradGuard ng;
   const double bc1 = 1.0 - std::pow(h.beta1, double(step));
   const double bc2 = 1.0 - std::pow(h.beta2, double(freeze_step_));  // the variance stopped there
-  p.mul_(1.0 - h.lr * h.weight_decay);
-  const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(h.eps);
-  p.addcdiv_(m, denom, -h.lr / bc1);
+  // Piece by piece (core/optimizer_step.hpp kOnebitStepChunkElements): the same operations on each
+  // element as over the whole buffer, with the denominator's two temporaries one piece long.
+  TORCH_CHECK(p.dim() == 1 && m.numel() == p.numel() && v.numel() == p.numel(), "1-bit Adam: step on flat buffers of one size");
+  const int64_t n = p.numel(), chunk = kOnebitStepChunkElements;
+  for (int64_t b = 0; b < n; b += chunk) {
+    const int64_t len = std::min(chunk, n - b);
+    at::Tensor pc = p.narrow(0, b, len);
+    pc.mul_(1.0 - h.lr * h.weight_decay);
+    const at::Tensor denom = (v.narrow(0, b, len).sqrt() / std::sqrt(bc2)).add_(h.eps);
+    pc.addcdiv_(m.narrow(0, b, len), denom, -h.lr / bc1);
+  }
   ready_ = false;
 }
 

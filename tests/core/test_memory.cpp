@@ -5,6 +5,7 @@
 
 #include "core/memory.hpp"
 #include "core/model.hpp"
+#include "core/optimizer_step.hpp"
 #include "tests/core/gpt_spec.hpp"
 
 using namespace dssim;
@@ -373,6 +374,28 @@ TEST_CASE("1-bit Adam keeps fp32 error-feedback buffers", "[memory]") {
   const double adam = peak_memory(sc).optimizer;
   sc.optimizer.kind = OptimizerKind::onebit_adam;
   CHECK(peak_memory(sc).optimizer - adam == Approx(4 * psi + 4 * psi / 8));
+}
+
+TEST_CASE("1-bit Adam's compressed step holds two fp32 temporaries one piece long", "[memory]") {
+  // Activations and logits small enough (2 layers, s 128, V 8192) that the step's 8 bytes an
+  // element of a piece (kOnebitStepChunkElements, the engine's onebit_adam.cpp) set the transient;
+  // the model's 20 M parameters span several pieces.
+  ModelSpec m = gpt(2, 768, 8);
+  m.seq_len = 128;
+  m.vocab = 8192;
+  REQUIRE(parameter_count(m) > 4.0 * kOnebitStepChunkElements);
+  Scenario sc = scenario(m, 1);
+  sc.precision.dtype = Dtype::bf16;
+  const MemoryBreakdown adam = peak_memory(sc);
+  sc.optimizer.kind = OptimizerKind::onebit_adam;
+  const MemoryBreakdown ob = peak_memory(sc);
+  const double step = 8.0 * kOnebitStepChunkElements;
+  REQUIRE(step - ob.activations > adam.temporaries);  // the step's transient is the larger here
+  CHECK(ob.temporaries == Approx(step - ob.activations));
+  CHECK(ob.activations + ob.temporaries == Approx(step));
+  // Before compression (freeze_step not reached) dssim runs AdamW: the model prices the compressed phase.
+  sc.optimizer.kind = OptimizerKind::adamw;
+  CHECK(peak_memory(sc).temporaries == Approx(adam.temporaries));
 }
 
 TEST_CASE("fp32 training with optimizer offload: 16 bytes per shard element on the host", "[memory]") {

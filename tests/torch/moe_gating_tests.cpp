@@ -6,14 +6,13 @@
 #include <cmath>
 #include <vector>
 #include <torch/torch.h>
-#include <c10/core/Allocator.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
 #include <memory>
 #include "backends/torch/comm.hpp"
 #include "backends/torch/moe.hpp"
 #include "core/memory.hpp"
 #include "core/model.hpp"
 #include "backends/torch/torch_compat.hpp"
+#include "tests/torch/allocation_peak.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
@@ -279,20 +278,9 @@ TEST_CASE("an MoE layer keeps what core/memory counts for it (fp32, top-2, on th
 }
 
 // ExpertStore's set-up holds no more than its steady state and one fp32 tensor: every byte the CPU
-// allocator hands out while it builds is seen (libtorch's memory reporting, the hook its profiler
-// uses), so the peak is exact. Drawing the whole fp32 buffer first and sharding it after held
-// 4 bytes an expert parameter more while the moments allocated.
-namespace {
-struct AllocationPeak final : c10::MemoryReportingInfoBase {
-  int64_t now = 0, peak = 0;
-  void reportMemoryUsage(void*, int64_t bytes, int64_t, int64_t, c10::Device) override {
-    now += bytes;
-    peak = std::max(peak, now);
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-};
-}  // namespace
-
+// allocator hands out while it builds is seen (tests/torch/allocation_peak.hpp), so the peak is
+// exact. Drawing the whole fp32 buffer first and sharding it after held 4 bytes an expert parameter
+// more while the moments allocated.
 TEST_CASE("ExpertStore's set-up peaks at its steady state plus one fp32 tensor", "[moe][memory]") {
   at::set_num_threads(1);
   ModelSpec m = moe_model(4, 2, 1.25);
@@ -304,7 +292,7 @@ TEST_CASE("ExpertStore's set-up peaks at its steady state plus one fp32 tensor",
     o.stage = stage;
     o.dtype = at::kBFloat16;
     auto edp = make_local_communicator();
-    auto reporter = std::make_shared<AllocationPeak>();
+    auto reporter = std::make_shared<dssim::test::AllocationPeak>();
     int64_t held = 0;
     std::unique_ptr<ExpertStore> store;
     {

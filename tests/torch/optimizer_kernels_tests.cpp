@@ -2,7 +2,11 @@
 // formula of the engine's step before the fused loop), on the host.
 #include <cmath>
 #include <torch/torch.h>
+#include <memory>
+#include "backends/torch/onebit_adam.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
+#include "core/optimizer_step.hpp"
+#include "tests/torch/allocation_peak.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
@@ -158,4 +162,34 @@ TEST_CASE("fused step on a GPU: the CUDA kernel against libtorch's ops", "[optim
   worst = std::max(worst, check_fused_step(gpu, at::kFloat, at::kBFloat16, false, 1.0, 1.0, 0));
   WARN("fused CUDA step against libtorch's ops: largest relative difference " << worst);
   REQUIRE(worst < 1e-6);
+}
+
+// 1-bit Adam's compressed-phase update runs piece by piece (core/optimizer_step.hpp
+// kOnebitStepChunkElements): bit for bit the whole-buffer expression, holding the denominator's
+// two fp32 temporaries one piece long (8 bytes an element of a piece), as core/memory.cpp counts.
+TEST_CASE("1-bit Adam's step piece by piece: the whole-buffer update bit for bit, temporaries one piece long",
+          "[optimizer][onebit]") {
+  at::set_num_threads(1);
+  const int64_t chunk = dssim::kOnebitStepChunkElements, n = 2 * chunk + 1001;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor p = at::randn({n}, f32), m = at::randn({n}, f32), v = at::rand({n}, f32);
+  const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.1};
+  const int64_t step = 7, freeze = 3;
+  // The update over the whole buffer, as the step was written before it ran in pieces.
+  at::Tensor expected = p.clone();
+  expected.mul_(1.0 - h.lr * h.weight_decay);
+  const double bc1 = 1.0 - std::pow(h.beta1, double(step)), bc2 = 1.0 - std::pow(h.beta2, double(freeze));
+  expected.addcdiv_(m, (v.sqrt() / std::sqrt(bc2)).add_(h.eps), -h.lr / bc1);
+
+  OnebitAdam ob(n, nullptr, freeze, f32);
+  auto peak = std::make_shared<dssim::test::AllocationPeak>();
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, peak);
+    ob.step(p, m, v, step, h);
+  }
+  REQUIRE(at::equal(p, expected));
+  REQUIRE(peak->now == 0);
+  // The square root and its quotient, one piece each (and a few bytes of scalars: 12 with libtorch 1.13).
+  REQUIRE(peak->peak >= 8 * chunk);
+  REQUIRE(peak->peak <= 8 * chunk + 1024);
 }
