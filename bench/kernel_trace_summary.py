@@ -85,8 +85,10 @@ def attribute(events, kernels):
     if not scopes:
         raise SystemExit("no dssim instruction ranges in the trace (taken before the engine named them?)")
     starts = [float(e["ts"]) for e in scopes]
+    # Launches through the runtime (cudaLaunchKernel) and the driver (cuLaunchKernelEx: cuBLAS's
+    # GEMMs, among others).
     launch_ts = {e["args"]["correlation"]: float(e["ts"]) for e in events
-                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = {e["args"]["External id"]: e for e in events
            if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
     kinds = collections.OrderedDict()

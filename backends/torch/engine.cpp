@@ -992,7 +992,15 @@ EngineResult Engine::run() {
   if (o_.resume) load_checkpoint();
   zero_->gather_persistent();
   res.first_step = step_ + 1;
-  const int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
+  int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
+  // 1-bit Adam: the first compressed step runs a Program the warm-up steps did not, with one-time
+  // costs (on an H200 about 26 ms over the next ones, in its step: kernels loaded at first launch,
+  // new allocations); the steady state starts after it, so the warm-up covers it where steps allow.
+  if (onebit_) {
+    const int first_compressed = int(sc_.optimizer.freeze_step - step_);  // steps done before it
+    if (first_compressed >= 0 && first_compressed + 1 > warm && first_compressed + 1 < o_.steps) warm = first_compressed + 1;
+  }
+  res.warmup_steps = warm;
   // What is resident as training starts (on a GPU the allocator's current bytes, not its peak: set-up
   // transients such as the experts' fp32 initialisation are not model state; on the host the
   // process's high-water mark, the only figure there is).

@@ -23,6 +23,7 @@ struct EngineResult {
   std::vector<double> step_seconds;
   std::map<std::string, double> seconds_by_op;  // time per instruction kind, summed over measured steps
   int measured_steps = 0;
+  int warmup_steps = 0;  // steps run before measuring (--warmup, or past 1-bit Adam's first compressed step)
   // Of seconds_by_op, over the measured steps: the tensor-parallel collectives (run inside the
   // compute, reported under their op names) and the waits for pipeline receives (under "recv":
   // the bubble plus the exposed transfer).

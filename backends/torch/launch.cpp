@@ -94,6 +94,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   measured["seconds_per_iteration_by_instruction"] = secs;
   measured["step_seconds"] = res.step_seconds;
   measured["measured_steps"] = res.measured_steps;
+  measured["warmup_steps"] = res.warmup_steps;
   measured["first_step"] = res.first_step;
   measured["loss_scales"] = res.loss_scales;
   std::vector<int> skipped;
@@ -137,7 +138,7 @@ std::string text_extras(const Report& r) {
   std::ostringstream s;
   char buf[256];
   s << "\nmeasured (" << m["communicator"].get<std::string>() << ", " << m["measured_steps"].get<int>()
-    << " steps after warm-up):\n";
+    << " steps after " << m["warmup_steps"].get<int>() << " warm-up):\n";
   s << "  time per instruction kind (s/iteration):\n";
   for (auto it = m["seconds_per_iteration_by_instruction"].begin(); it != m["seconds_per_iteration_by_instruction"].end(); ++it) {
     std::snprintf(buf, sizeof buf, "    %-22s %10.4f\n", it.key().c_str(), it.value().get<double>());

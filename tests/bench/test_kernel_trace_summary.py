@@ -17,11 +17,12 @@ def scope(name, ts, dur):
     return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": 1}
 
 
-def launch(corr, ts, tid, ext=None):
+def launch(corr, ts, tid, ext=None, driver=False):
     args = {"correlation": corr}
     if ext is not None:
         args["External id"] = ext
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": args}
+    return {"ph": "X", "cat": "cuda_driver" if driver else "cuda_runtime",
+            "name": "cuLaunchKernelEx" if driver else "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": args}
 
 
 def kernel(name, corr, ts, dur, ext=None):
@@ -42,7 +43,7 @@ class ByInstruction(unittest.TestCase):
             {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 105, "dur": 10, "tid": 1,
              "args": {"External id": 8, "Input Dims": [[6144], [16384, 2048], [2048, 6144], [], []]}},
             launch(1, 6, 1, 7), kernel("gemm", 1, 400, 600, 7),       # runs after its range: still forward mb 0
-            launch(2, 106, 1, 8), kernel("gemm", 2, 1000, 500, 8),    # forward mb 1
+            launch(2, 106, 1, 8, driver=True), kernel("gemm", 2, 1000, 500, 8),  # forward mb 1, by the driver API
             launch(3, 150, 1), kernel("layernorm", 3, 1500, 20),      # forward mb 1, no op
             launch(4, 250, 2), kernel("dgrad", 4, 1600, 300),         # backward, launched by another thread
             launch(5, 350, 1), kernel("adam", 5, 2000, 40),           # outside every instruction

@@ -579,4 +579,8 @@ TEST_CASE("tiny_onebit_dp2 trains on tiny_corpus.txt: the loss keeps falling aft
   CHECK(mean(25, 30) < mean(2, 7) - 0.5);
   CHECK(mean(15, 20) < mean(2, 7));
   CHECK(mean(25, 30) < mean(15, 20));
+  // The warm-up covers the first compressed step (the third): steady compressed steps measured only.
+  const auto& m = r.json.at("extras").at("measured");
+  CHECK(m.at("warmup_steps").get<int>() == 3);
+  CHECK(m.at("measured_steps").get<int>() == 27);
 }
