@@ -994,8 +994,9 @@ EngineResult Engine::run() {
   res.first_step = step_ + 1;
   int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
   // 1-bit Adam: the first compressed step runs a Program the warm-up steps did not, with one-time
-  // costs (on an H200 about 26 ms over the next ones, in its step: kernels loaded at first launch,
-  // new allocations); the steady state starts after it, so the warm-up covers it where steps allow.
+  // costs in its optimizer step (about 20 ms on an H100, 26 ms on an H200, over the next steps'; not
+  // traced to their source); the steady state starts after it, so the warm-up covers it where steps
+  // allow.
   if (onebit_) {
     const int first_compressed = int(sc_.optimizer.freeze_step - step_);  // steps done before it
     if (first_compressed >= 0 && first_compressed + 1 > warm && first_compressed + 1 < o_.steps) warm = first_compressed + 1;
