@@ -556,10 +556,12 @@ class Engine {
     warm_program_ = build_program(warm);
     compressed_program_ = build_program(compressed);
   }
-  const RankProgram& program_of_step() const {
+  // The Program a step runs, by the number of steps done before it.
+  const RankProgram& program_at(int64_t steps_done) const {
     if (!onebit_) return program_.ranks[rank_];
-    return (onebit_->compressing(step_) ? compressed_program_ : warm_program_).ranks.at(rank_);
+    return (onebit_->compressing(steps_done) ? compressed_program_ : warm_program_).ranks.at(rank_);
   }
+  const RankProgram& program_of_step() const { return program_at(step_); }
   void onebit_instruction(const Instruction& in) {
     if (!onebit_ || !local_grads_)
       throw std::runtime_error(std::string("Program error: ") + to_string(in.op) + "/" + to_string(in.purpose) +
@@ -993,14 +995,12 @@ EngineResult Engine::run() {
   zero_->gather_persistent();
   res.first_step = step_ + 1;
   int warm = o_.warmup_steps >= 0 ? o_.warmup_steps : std::min(2, o_.steps / 4);
-  // 1-bit Adam: the first compressed step runs a Program the warm-up steps did not, with one-time
-  // costs in its optimizer step (about 20 ms on an H100, 26 ms on an H200, over the next steps'; not
-  // traced to their source); the steady state starts after it, so the warm-up covers it where steps
-  // allow.
-  if (onebit_) {
-    const int first_compressed = int(sc_.optimizer.freeze_step - step_);  // steps done before it
-    if (first_compressed >= 0 && first_compressed + 1 > warm && first_compressed + 1 < o_.steps) warm = first_compressed + 1;
-  }
+  // A step that runs a Program no earlier step of the run ran pays one-time costs (1-bit Adam's
+  // first compressed step: about 20 ms on an H100, 26 ms on an H200 in its optimizer step, over the
+  // next steps'; not traced to their source): the warm-up covers the last such step, where the run
+  // has steps to spare after it.
+  for (int d = 1; d + 1 < o_.steps; ++d)
+    if (&program_at(step_ + d) != &program_at(step_ + d - 1)) warm = std::max(warm, d + 1);
   res.warmup_steps = warm;
   // What is resident as training starts (on a GPU the allocator's current bytes, not its peak: set-up
   // transients such as the experts' fp32 initialisation are not model state; on the host the
