@@ -24,7 +24,7 @@ std::string temp_json(const std::string& name, const std::string& text) {
 }
 }  // namespace
 
-TEST_CASE("zero2_13b_typical.json: ZeRO-2, AdamW, bf16, clipping; print keys warned", "[deepspeed]") {
+TEST_CASE("zero2_13b_typical.json: ZeRO-2, AdamW, bf16, clipping - print keys warned", "[deepspeed]") {
   const Scenario s = with_ds(shipped("gpt13b_zero2.yaml"), "zero2_13b_typical.json");
   CHECK(s.training.global_batch == 512);
   CHECK(s.training.micro_batch == 2);
@@ -121,7 +121,7 @@ TEST_CASE("moe_ep8_jitter.json: dssim's moe block sets expert parallelism", "[de
              Contains("requires a mixture-of-experts model"));
 }
 
-TEST_CASE("onebit_adam.json: OneBitAdam with freeze_step; comm params warned", "[deepspeed]") {
+TEST_CASE("onebit_adam.json: OneBitAdam with freeze_step - comm params warned", "[deepspeed]") {
   const Scenario s = with_ds(shipped("onebit_adam.yaml"), "onebit_adam.json");
   CHECK(s.optimizer.kind == OptimizerKind::onebit_adam);
   CHECK(s.optimizer.freeze_step == 23000);
@@ -266,7 +266,7 @@ TEST_CASE("ds_config read as DeepSpeed reads it (hjson)", "[deepspeed]") {
              Contains("malformed JSON at line 2"));
 }
 
-TEST_CASE("ds_config \"auto\" batch keys keep the scenario's; a numeric one re-derives as --set does", "[deepspeed]") {
+TEST_CASE("ds_config \"auto\" batch keys keep the scenario's - a numeric one re-derives as --set does", "[deepspeed]") {
   LoadOptions o;
   o.deepspeed_config = temp_json("acc", R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                                             "gradient_accumulation_steps": 2, "bf16": {"enabled": "auto"}})");

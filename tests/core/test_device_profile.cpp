@@ -157,7 +157,7 @@ TEST_CASE("profile interpolation: exact on table points, monotone between, prese
   CHECK(elementwise_family("dropout_residual_1") == "add");
 }
 
-TEST_CASE("the device model with a profile reproduces measured times; without one it is unchanged", "[profile]") {
+TEST_CASE("the device model with a profile reproduces measured times - without one it is unchanged", "[profile]") {
   const std::string path = write_temp("dssim_test_profile_a.yaml", kProfile);
   Scenario sc = load_scenario_from_string(dssim::test::tiny_yaml());
   const DeviceModel preset(sc);
@@ -292,7 +292,7 @@ Instruction compute(Op op, int ops) {
 
 }  // namespace
 
-TEST_CASE("gemm rows: pass parses, defaults to forward, round-trips; a bad pass names gemm[i].pass", "[profile]") {
+TEST_CASE("gemm rows: pass parses, defaults to forward, round-trips - a bad pass names gemm[i].pass", "[profile]") {
   using Catch::Matchers::Contains;
   // gemm[1] becomes a dgrad row; a wgrad row and an explicit forward row are added to the table.
   std::string yaml = with_line("dtype: bf16, m: 2048", "dtype: bf16, pass: dgrad, m: 2048");
@@ -391,7 +391,7 @@ TEST_CASE("Backward of a GEMM: dgrad + wgrad rows when both are measured, else 2
     std::filesystem::remove(std::filesystem::temp_directory_path() / f);
 }
 
-TEST_CASE("optimizer_step rows time the OptimizerStep as memory_bytes / rate; host_adamw rows the host step", "[profile]") {
+TEST_CASE("optimizer_step rows time the OptimizerStep as memory_bytes / rate - host_adamw rows the host step", "[profile]") {
   DeviceProfile p = base_profile();
   p.elementwise = {bw_row("add", Dtype::bf16, 1.0e6, 1.0e12), bw_row("add", Dtype::bf16, 1.0e10, 4.0e12)};
   const ClusterSpec add_only = cluster_with("dssim_test_profile_opt_add.yaml", p);

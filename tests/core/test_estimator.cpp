@@ -27,7 +27,7 @@ Instruction p2p(Op op, int peer, int tag, Purpose purpose) {
 }
 }  // namespace
 
-TEST_CASE("a Recv waits for the matching Send; the wait is bubble, the transfer exposed PP", "[estimator]") {
+TEST_CASE("a Recv waits for the matching Send - the wait is bubble, the transfer exposed PP", "[estimator]") {
   Program p;
   p.world = 2;
   p.ranks.resize(2);

@@ -87,7 +87,7 @@ TEST_CASE("fine-tuning keys: clear errors naming the key", "[finetune][validate]
   CHECK(llama7b("finetune: lora\n").finetune.lora());
 }
 
-TEST_CASE("a frozen GEMM's backward is its input gradient only; adapters train", "[finetune][model]") {
+TEST_CASE("a frozen GEMM's backward is its input gradient only - adapters train", "[finetune][model]") {
   const Scenario full = llama7b("");
   const Scenario lora = llama7b("finetune: {method: lora, rank: 16, targets: [q_proj, v_proj]}\n");
   LayerShape shape;
@@ -146,7 +146,7 @@ TEST_CASE("LoRA memory: frozen weights keep their bf16 copy only", "[finetune][m
   CHECK(m3.params - m3.params_gathered == Approx(2 * (P + A) / 8).epsilon(1e-3));
 }
 
-TEST_CASE("the Program reduces only trainable gradients; ZeRO-3 still gathers the frozen base", "[finetune][program]") {
+TEST_CASE("the Program reduces only trainable gradients - ZeRO-3 still gathers the frozen base", "[finetune][program]") {
   const std::string lora = "finetune: {method: lora, rank: 8, targets: [q_proj, v_proj]}\n";
   const double P = 6'738'415'616.0, A = 4'194'304.0;
   BuildOptions bo;

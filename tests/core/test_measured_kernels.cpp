@@ -10,7 +10,7 @@
 
 using namespace dssim;
 
-TEST_CASE("compare prices the measured run's kernels; reports without them leave the scenario as it is", "[epilogues]") {
+TEST_CASE("compare prices the measured run's kernels - reports without them leave the scenario as it is", "[epilogues]") {
   const std::string y = dssim::test::tiny_yaml_with_model("  cross_entropy: fused_linear\n");
   nlohmann::json report = {{"backend", "cuda"}, {"extras", {{"measured", {{"memory_bytes", {{"peak", 1.0}}}}}}}};
   Scenario sc = load_scenario_from_string(y);

@@ -130,7 +130,7 @@ TEST_CASE("70 layers on 12 stages and 126 on 16 load, with DeepSpeed's and Megat
   CHECK(load_scenario_from_string(llama + ", partition_method: uniform}\n").parallel.partition == uniform_126);
 }
 
-TEST_CASE("uniform on a count pp does not divide; defaults; an explicit partition wins", "[partition]") {
+TEST_CASE("uniform on a count pp does not divide - defaults - an explicit partition wins", "[partition]") {
   CHECK(load_scenario_from_string(pp_yaml(7, 3, ", partition_method: uniform")).parallel.partition == V{3, 2, 2});
   // Divisible, no method: uniform, nothing stored (as before partition_method existed).
   const Scenario even = load_scenario_from_string(pp_yaml(6, 3));

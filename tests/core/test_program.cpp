@@ -291,7 +291,7 @@ TEST_CASE("program: DP all-reduce volume is 2 psi (N-1)/N per rank", "[program]"
   }
 }
 
-TEST_CASE("program: ZeRO-2 reduce-scatters every micro-step, ZeRO-1 once; both gather params", "[program]") {
+TEST_CASE("program: ZeRO-2 reduce-scatters every micro-step, ZeRO-1 once - both gather params", "[program]") {
   for (int stage : {1, 2}) {
     Scenario sc = tiny(1, 1, 4, stage);
     const Program p = build_program(sc);

@@ -190,7 +190,7 @@ TEST_CASE("explicit model keys override the preset", "[scenario]") {
   CHECK(s.training.grad_accum == 1);
 }
 
-TEST_CASE("a custom model needs no preset; ffn_hidden defaults to 4h", "[scenario]") {
+TEST_CASE("a custom model needs no preset - ffn_hidden defaults to 4h", "[scenario]") {
   const Scenario s = load_scenario_from_string(
       "model: {layers: 4, hidden: 128, heads: 8, vocab: 1000, seq_len: 64, ffn_hidden: 384, tied_embeddings: false}\n"
       "training: {global_batch: 2, micro_batch: 1}\n"
@@ -416,7 +416,7 @@ TEST_CASE("to_string of the scenario enums", "[scenario]") {
   CHECK(std::string(to_string(ModelSpec::CrossEntropy::fused_linear)) == "fused_linear");
 }
 
-TEST_CASE("model.cross_entropy: unfused, fused or fused_linear; round-trips; anything else refused", "[scenario]") {
+TEST_CASE("model.cross_entropy: unfused, fused or fused_linear - round-trips - anything else refused", "[scenario]") {
   const std::string base = "model: {preset: gpt-1.3b}\ntraining: {micro_batch: 1}\ncluster: {preset: dgx-a100-hdr}\n";
   CHECK(load_scenario_from_string(base).model.cross_entropy == ModelSpec::CrossEntropy::unfused);
   for (const auto& [name, kind] : {std::pair{"unfused", ModelSpec::CrossEntropy::unfused},

@@ -86,7 +86,7 @@ TEST_CASE("heads must be divisible by tp", "[validate]") {
              Contains("model.heads (4)") && Contains("is not divisible by parallel.tp (3) at line 6") && Contains("1, 2, 4"));
 }
 
-TEST_CASE("layers pp does not divide get a partition; an explicit one is checked", "[validate]") {
+TEST_CASE("layers pp does not divide get a partition - an explicit one is checked", "[validate]") {
   // parallel.partition_method (core/pipeline_partition.hpp, tests in test_pipeline_partition.cpp).
   CHECK(load_scenario_from_string("model: {preset: tiny, layers: 5}\ntraining: {micro_batch: 1}\nparallel: {pp: 2}\n"
                                   "cluster: {preset: single-node-pcie, gpus_per_node: 2}\n")
@@ -159,7 +159,7 @@ TEST_CASE("fp16 and bf16 both enabled is refused (ds_config)", "[validate]") {
              Contains("bf16 and fp16 modes cannot be simultaneously enabled"));
 }
 
-TEST_CASE("offload_param needs ZeRO stage 3; offload_optimizer needs ZeRO", "[validate]") {
+TEST_CASE("offload_param needs ZeRO stage 3 - offload_optimizer needs ZeRO", "[validate]") {
   CHECK_THAT(load_error(tiny_yaml("  tp: 1\n", "  preset: single-node-pcie\n  gpus_per_node: 2\n",
                                   "zero: {stage: 2, offload_param: true}\n")),
              Contains("zero.offload_param at line 7 requires ZeRO stage 3 (zero.stage is 2)"));

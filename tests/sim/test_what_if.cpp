@@ -117,7 +117,7 @@ TEST_CASE("no what-if, or what-ifs of factor 1, change nothing", "[what-if]") {
   CHECK(ones.extras.at("sim").at("simulation").at("folded_tensor_parallel") == false);
 }
 
-TEST_CASE("noise 0 % is the deterministic run exactly; noise is seeded and costs at synchronizations", "[what-if]") {
+TEST_CASE("noise 0 % is the deterministic run exactly - noise is seeded and costs at synchronizations", "[what-if]") {
   const Scenario sc = dp_scenario();
   const Report det = simulate(sc, with({"slow-gpu 0 x1"}));  // unfolded, no noise
   const Report zero = simulate(sc, with({"noise 0%"}));
