@@ -12,7 +12,8 @@
 #                        [--plain "eager compile"]   (the plain PyTorch runs)
 #                        [--no-tiny]   (skip the tiny model's smoke runs)
 #   scripts/gpu_bench.sh --make-deps DIR   # on a Debian/Ubuntu machine with libyaml-cpp-dev and
-#                                          # nlohmann-json3-dev: packs them (and a Boost stub) into
+#                                          # nlohmann-json3-dev (and catch2 for the GPU tests):
+#                                          # packs them (and a Boost stub) into
 #                                          # DIR for a GPU machine that lacks them; put DIR at .deps
 #
 # Environment: OUT (where logs and JSON go; default build-gpu/out), DSSIM_DEPS (default .deps).
@@ -51,6 +52,11 @@ set(Boost_FOUND TRUE)
 set(Boost_program_options_FOUND TRUE)
 set(Boost_VERSION 1.74.0)
 EOF
+  # Catch2 (header-only, v2) for the GPU test programs (DSSIM_GPU_TESTS=ON), where installed here.
+  if [[ -f /usr/include/catch2/catch.hpp && -d /usr/lib/cmake/Catch2 ]]; then
+    cp -r /usr/include/catch2 "$D/include/"
+    cp -r /usr/lib/cmake/Catch2 "$D/lib/cmake/"
+  fi
   echo "packed into $D"
   exit 0
 fi

@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.5)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (compiled in the warm-up steps)")
+    ap.add_argument("--trace", metavar="FILE", help="write a kineto trace (Chrome JSON) of the last step, for "
+                    "bench/kernel_trace_summary.py; that step is not timed")
     a = ap.parse_args()
     torch.manual_seed(1234)
     dev = "cuda"
@@ -78,7 +80,13 @@ def main():
     step_model = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
     times, losses = [], []
-    for step in range(a.warmup + a.steps):
+    total_steps = a.warmup + a.steps + (1 if a.trace else 0)
+    for step in range(total_steps):
+        tracing = a.trace and step == total_steps - 1
+        if tracing:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         total = 0.0
@@ -93,11 +101,15 @@ def main():
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         losses.append(float(total))
-        if step >= a.warmup:
+        if tracing:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(a.trace)
+            print(f"plain: trace of step {step + 1} written to {a.trace}", flush=True)
+        elif step >= a.warmup:
             times.append(dt)
         if step == a.warmup - 1:
             torch.cuda.reset_peak_memory_stats()  # compilation's own workspace is not the step's
-        print(f"plain step {step + 1}/{a.warmup + a.steps}  loss {losses[-1]:.4f}  {dt:.3f} s", flush=True)
+        print(f"plain step {step + 1}/{total_steps}  loss {losses[-1]:.4f}  {dt:.3f} s", flush=True)
     t = statistics.median(times)
     batch = a.micro_batch * a.grad_accum
     flops = model_flops(a.layers, a.hidden, a.vocab, a.seq, batch)

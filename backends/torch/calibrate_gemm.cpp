@@ -72,7 +72,9 @@ void measure_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& d
 //   mlp_up          forward gelu_aux_bias   pre = x W1^T + b1, m = gelu(pre)
 //   mlp_down        forward bias_residual   out = m W2^T + b2 + residual;  dgrad dgelu (dpre = (dy W2) gelu'(pre))
 //   attention_proj  forward bias_residual
-//   every linear    wgrad bgradb            dW = dy^T x, db = sum(dy)
+//   every linear    wgrad bgradb            dW = dy^T x, db = sum(dy) (BGRADB); under
+//                                           DSSIM_WGRAD=in_place dW += dy^T x, db += sum(dy) into
+//                                           the gradient buffers (beta 1, dssim's bias kernel)
 // On the gemm family's grid of shapes. Where the first GEMM would not run fused (a CPU, fp32, a
 // build without cuBLASLt, DSSIM_GEMM_EPILOGUES=0) the family records nothing and says why.
 void measure_epilogue_gemms(const CalibrateOptions& o, const Grid& g, const at::Device& dev, Timer& timer,
@@ -118,8 +120,15 @@ void measure_epilogue_gemms(const CalibrateOptions& o, const Grid& g, const at::
         out = at::randn({s.m, s.n}, opts), aux = at::randn({s.m, s.k}, opts), dw = at::empty({s.m, s.k}, opts);
         gemm = [&] { return gemm_dgelu(out, w, aux, dw); };
       } else {
-        out = at::randn({s.m, s.n}, opts), dw = at::empty({s.n, s.k}, opts), db = at::empty({s.n}, opts);
-        gemm = [&] { return gemm_bgradb(out, x, dw, db); };
+        // As the engine runs it: into temporaries by cuBLASLt's BGRADB epilogue, or under
+        // DSSIM_WGRAD=in_place added into the gradient buffers (beta 1, dssim's bias kernel).
+        out = at::randn({s.m, s.n}, opts), dw = at::zeros({s.n, s.k}, opts), db = at::zeros({s.n}, opts);
+        gemm = [&] {
+          if (!wgrad_in_place()) return gemm_bgradb(out, x, dw, db);
+          if (!gemm_epilogues_apply(out, x, db)) return false;
+          linear_weight_grads(out, x, dw, db, true);
+          return true;
+        };
       }
       if (!gemm()) {
         refused = s.op + " " + s.epilogue + " at m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +

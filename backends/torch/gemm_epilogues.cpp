@@ -13,6 +13,10 @@
 #include "backends/torch/env.hpp"
 #include "backends/torch/torch_compat.hpp"
 
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include "backends/torch/bias_grad_cuda.hpp"
+#endif
 #if defined(DSSIM_HAVE_CUBLASLT) && defined(DSSIM_TORCH_CUDA)
 #include "backends/torch/gemm_epilogue_cuda.hpp"
 #define DSSIM_FUSED_EPILOGUES 1
@@ -77,6 +81,18 @@ bool enabled(Epilogue e) {
   return epilogue_flags().find(letter) != std::string::npos;
 }
 
+// The epilogue's name in kernel traces (the profile's epilogue keys where they exist).
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::None: return "none";
+    case Epilogue::Bias: return "bias";
+    case Epilogue::GeluAuxBias: return "gelu_aux_bias";
+    case Epilogue::DGelu: return "dgelu";
+    case Epilogue::BGradB: return "bgradb";
+  }
+  return "unknown";
+}
+
 // C = op(X) op(Y) for row-major torch matrices (op transposes where the flag says so), written
 // as cuBLAS's column-major C^T = op(Y)^T op(X)^T: A is Y, B is X.
 LtGemm row_major(const at::Tensor& c, const at::Tensor& x, bool x_t, const at::Tensor& y, bool y_t) {
@@ -115,8 +131,7 @@ bool run(const LtGemm& g, const at::Tensor& like) {
   // 16384 k 2048", so its kernel is told apart from ATen's GEMMs.
   at::RecordFunction scope(at::RecordScope::FUNCTION);
   if (scope.isActive()) {
-    static const char* const names[] = {"none", "bias", "gelu_aux_bias", "dgelu", "bgradb"};
-    scope.before(std::string("dssim::lt_gemm ") + names[int(g.epilogue)] + " m " + std::to_string(g.m) + " n " +
+    scope.before(std::string("dssim::lt_gemm ") + epilogue_name(g.epilogue) + " m " + std::to_string(g.m) + " n " +
                  std::to_string(g.n) + " k " + std::to_string(g.k));
   }
   void* stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
@@ -135,8 +150,17 @@ std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   return s;
 }
 
-// dW = dy^T x and, when `bias`, db = sum of dy over its rows.
-std::pair<at::Tensor, at::Tensor> weight_grads(const at::Tensor& dy, const at::Tensor& x, bool bias) {
+// dW = dy^T x and, when b is a bias (not empty), db = the sum of dy's rows: added by the GEMM and
+// the bias kernel into w's and b's gradient buffers where both take it (returned undefined, so
+// AccumulateGrad skips them), else returned as new tensors.
+std::pair<at::Tensor, at::Tensor> weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                               const at::Tensor& b) {
+  const bool bias = b.defined() && b.numel() > 0;
+  const at::Tensor gw = grad_in_place(w), gb = bias ? grad_in_place(b) : at::Tensor();
+  if (gw.defined() && (!bias || gb.defined())) {
+    linear_weight_grads(dy, x, gw, gb, true);
+    return {at::Tensor(), at::Tensor()};
+  }
   if (!bias) return {at::mm(dy.t(), x), at::Tensor()};
   auto dw = at::empty({dy.size(1), x.size(1)}, dy.options());
   auto db = at::empty({dy.size(1)}, dy.options());
@@ -163,7 +187,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
       out = has_b2 ? at::addmm(b2, m, w2.t()) : at::mm(m, w2.t());
       if (has_residual) out = r + out;
     }
-    ctx->save_for_backward({x, w1, w2, pre, m});
+    ctx->save_for_backward({x, w1, w2, pre, m, b1, b2});
     ctx->saved_data["b2"] = has_b2;
     ctx->saved_data["residual"] = has_residual;
     return out.view(with_last(x_in, o));
@@ -171,14 +195,14 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const at::Tensor &x = s[0], &w1 = s[1], &w2 = s[2], &pre = s[3], &m = s[4];
+    const at::Tensor &x = s[0], &w1 = s[1], &w2 = s[2], &pre = s[3], &m = s[4], &b1 = s[5], &b2 = s[6];
     const auto dout = rows(grads[0]);
     auto dpre = at::empty_like(pre);
     if (!gemm_dgelu(dout, w2, pre, dpre)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
     at::Tensor dx, dw1, db1, dw2, db2;
     if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
-      std::tie(dw2, db2) = weight_grads(dout, m, ctx->saved_data["b2"].toBool());
-    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(dpre, x, true);
+      std::tie(dw2, db2) = weight_grads(dout, m, w2, b2);
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(dpre, x, w1, b1);
     if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(with_last(grads[0], x.size(1)));
     const at::Tensor dr = ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor();
     return {dx, dw1, db1, dw2, ctx->saved_data["b2"].toBool() ? db2 : at::Tensor(), dr};
@@ -200,16 +224,16 @@ struct BiasedLinearFunction : public torch::autograd::Function<BiasedLinearFunct
       out = at::addmm(b, x, w.t());  // ATen runs the bias in cuBLASLt's epilogue already
     }
     ctx->saved_data["residual"] = has_residual;
-    ctx->save_for_backward({x, w});
+    ctx->save_for_backward({x, w, b});
     return out.view(with_last(x_in, w.size(0)));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const at::Tensor &x = s[0], &w = s[1];
+    const at::Tensor &x = s[0], &w = s[1], &b = s[2];
     const auto dy = rows(grads[0]);
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw, db) = weight_grads(dy, x, true);
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw, db) = weight_grads(dy, x, w, b);
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(with_last(grads[0], x.size(1)));
     return {dx, dw, db, ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor()};
   }
@@ -285,11 +309,71 @@ bool gemm_dgelu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const a
 bool gemm_bgradb(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 #endif
 
-void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db) {
-  if (gemm_bgradb(dy, x, dw, db)) return;
-  at::Tensor w_out = dw, b_out = db;  // handles onto the caller's storage
-  at::mm_out(w_out, dy.t(), x);
-  at::sum_out(b_out, dy, {0});
+namespace {
+std::atomic<int> wgrad_mode{-1};  // -1: not yet read from DSSIM_WGRAD; 0: bgradb; 1: in place
+}  // namespace
+
+bool wgrad_in_place() {
+  int m = wgrad_mode.load();
+  if (m < 0) {
+    m = env_str("DSSIM_WGRAD", "bgradb") == "in_place" ? 1 : 0;
+    int unset = -1;
+    if (!wgrad_mode.compare_exchange_strong(unset, m)) m = wgrad_mode.load();
+  }
+  return m == 1;
+}
+
+void set_wgrad_in_place(bool on) { wgrad_mode.store(on ? 1 : 0); }
+
+at::Tensor grad_in_place(const at::Tensor& p) {
+  if (!wgrad_in_place() || !p.defined() || p.numel() == 0 || at::GradMode::is_enabled() || !p.is_leaf() ||
+      !p.requires_grad())
+    return {};
+  const at::Tensor& g = p.grad();
+  if (!g.defined() || g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() || !g.is_contiguous()) return {};
+  return g;
+}
+
+void bias_grad(const at::Tensor& dy, const at::Tensor& db, bool accumulate) {
+#if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
+  const auto st = dy.scalar_type();
+  // The kernel belongs to the in-place path; DSSIM_WGRAD=bgradb is the engine before, ATen's sum.
+  const auto type = st == at::kBFloat16 ? cuda::DType::BF16 : st == at::kHalf ? cuda::DType::F16
+                    : st == at::kFloat  ? cuda::DType::F32 : cuda::DType::None;
+  if (wgrad_in_place() && dy.is_cuda() && dy.dim() == 2 && dy.stride(1) == 1 && db.is_contiguous() && db.scalar_type() == st &&
+      db.numel() == dy.size(1) && cuda::column_sum_supported(dy.data_ptr(), dy.size(1), dy.stride(0), type)) {
+    cuda::ColumnSumLaunch a;
+    a.x = dy.data_ptr();
+    a.out = db.data_ptr();
+    a.rows = dy.size(0);
+    a.cols = dy.size(1);
+    a.ld = dy.stride(0);
+    a.type = type;
+    a.accumulate = accumulate;
+    a.splits = cuda::column_sum_splits(a.rows, a.cols, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+    const auto partial = at::empty({a.splits, a.cols}, dy.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+    cuda::launch_column_sum(a, c10::cuda::getCurrentCUDAStream(dy.device().index()).stream());
+    return;
+  }
+#endif
+  if (accumulate) {
+    db.add_(dy.sum(0));
+  } else {
+    at::Tensor out = db;  // a handle onto the caller's storage
+    at::sum_out(out, dy, {0});
+  }
+}
+
+void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db,
+                         bool accumulate) {
+  if (!accumulate && !wgrad_in_place() && db.defined() && gemm_bgradb(dy, x, dw, db)) return;
+  at::Tensor w_out = dw;  // a handle onto the caller's storage
+  if (accumulate)
+    w_out.addmm_(dy.t(), x);  // one GEMM, beta 1
+  else
+    at::mm_out(w_out, dy.t(), x);
+  if (db.defined()) bias_grad(dy, db, accumulate);
 }
 
 at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,

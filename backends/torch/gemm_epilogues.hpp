@@ -10,8 +10,14 @@
 //             dW1 = dpre^T x, db1 = sum(dpre)         one GEMM (BGRADB)
 //             dx = dpre W1                            one GEMM
 // and for a biased linear's backward dW = dy^T x with db = sum(dy) in one call (BGRADB; on an H100
-// cuBLASLt runs that sum as a kernel of its own, as fast as ATen's, so BGRADB saves launches, not
-// bytes). Saved tensors are ATen's (x, pre, m), so memory is unchanged. Elsewhere (CPUs, fp32,
+// cuBLASLt runs that sum as a kernel of its own, about 2 TB/s, as fast as ATen's, so BGRADB saves
+// launches, not bytes). Into temporaries, which AccumulateGrad adds into the gradient buffers.
+// DSSIM_WGRAD=in_place (not yet measured on a GPU, so not the default) instead adds each weight
+// gradient by its GEMM (beta 1) straight into the parameter's preset gradient buffer
+// (grad_in_place) and each bias gradient by dssim's column-sum kernel (bias_grad_cuda.hpp):
+//             dW2 += dout^T m, db2 += sum(dout)       one GEMM (beta 1) + the column-sum kernel
+// with no temporary and no AccumulateGrad kernel. Saved tensors are ATen's (x, pre, m), so memory
+// is unchanged. Elsewhere (CPUs, fp32,
 // libtorch 1.13, no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the
 // expressions they replace. DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off, its
 // letters pick parts (f forward, g GELU backward, b bias gradients): A/B measurements.
@@ -28,9 +34,30 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, 
 // x W^T + b, plus `residual` when it is defined (added by the GEMM).
 at::Tensor biased_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                          const at::Tensor& residual = at::Tensor());
-// dw = dy^T x and db = the sum of dy's rows, written into dw and db (contiguous, views allowed):
-// one GEMM with the bias gradient in its epilogue where mlp would run fused, ATen's ops otherwise.
-void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
+// dw = dy^T x and db = the sum of dy's rows (db may be undefined: no bias), written into dw and db
+// (contiguous, views allowed), or added into them with `accumulate` (the GEMM with beta 1, the sum
+// added). Not accumulating, under DSSIM_WGRAD=bgradb (the default), one cuBLASLt GEMM with the sum in
+// its BGRADB epilogue where the letter b allows; in place, the GEMM and dssim's column-sum kernel
+// (bias_grad_cuda.hpp). ATen's ops elsewhere.
+void linear_weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db,
+                         bool accumulate = false);
+// db (+)= the sum of dy's rows, dy [T x n] with unit column stride: dssim's kernel on GPUs in the
+// in-place mode (wgrad_in_place), ATen's sum elsewhere.
+void bias_grad(const at::Tensor& dy, const at::Tensor& db, bool accumulate);
+// The gradient buffer of leaf parameter p, where the block's backward adds p's gradient into it in
+// place: defined (the engine's preset view into its gradient buffer), of p's shape and type, dense,
+// with no graph of the backward being built, and DSSIM_WGRAD=in_place. AccumulateGrad would add
+// into that same buffer (`grad += new` with grad mode off), so the values are the same up to
+// rounding (the GEMM adds in fp32 before rounding once; AccumulateGrad rounds the temporary first);
+// the temporary, AccumulateGrad's kernel and its read of the temporary are gone. Undefined otherwise:
+// the caller returns the gradient for AccumulateGrad.
+at::Tensor grad_in_place(const at::Tensor& p);
+// DSSIM_WGRAD: "bgradb" (unset: false), each weight and bias gradient into a temporary by one
+// cuBLASLt BGRADB GEMM (where the letter b of DSSIM_GEMM_EPILOGUES allows), which AccumulateGrad
+// then adds into the gradient buffer; or "in_place" (true): grad_in_place, the bias kernel.
+bool wgrad_in_place();
+// Overrides DSSIM_WGRAD for this process (tests, A/B runs in one process).
+void set_wgrad_in_place(bool on);
 // The fused block's GEMMs one at a time, on 2-D contiguous tensors, as mlp / biased_linear and
 // their backward run them (and dssim calibrate's `epilogues` family times them, backends/torch/
 // calibrate_gemm.cpp). Each writes its outputs and returns true; false, running nothing, where it would

@@ -337,27 +337,37 @@ struct QkvProjectionAttention : torch::autograd::Function<QkvProjectionAttention
     std::array<at::Tensor, 3> q;
     for (int i = 0; i < 3; ++i) q[i] = qkv[i].view({B, S, heads, d}).transpose(1, 2).requires_grad_(true);
     auto out = causal_attention(q[0], q[1], q[2]);
-    ctx->save_for_backward({y2, w});
+    ctx->save_for_backward({y2, w, b});
     save_core(ctx, q, out);
     return out.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &y2 = saved[0], &w = saved[1];
+    const at::Tensor &y2 = saved[0], &w = saved[1], &b = saved[2];
     auto g = core_grads(ctx, grad_out[0]);
     const int64_t hl = w.size(0) / 3;
     at::Tensor dy, dw, db;
+    // The weight and bias gradients go straight into their buffers where those take them
+    // (gemm_epilogues.hpp grad_in_place), else into new tensors for AccumulateGrad.
+    bool in_place = false;
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
-      dw = at::empty_like(w);
-      db = at::empty({3 * hl}, w.options());
+      dw = grad_in_place(w);
+      db = grad_in_place(b);
+      in_place = dw.defined() && db.defined();
+      if (!in_place) {
+        dw = at::empty_like(w);
+        db = at::empty({3 * hl}, w.options());
+      }
     }
     for (int i = 0; i < 3; ++i) {
       const auto dqi = g[i].transpose(1, 2).reshape({y2.size(0), hl});  // a view when dense
       const auto wi = w.narrow(0, i * hl, hl);
       if (ctx->needs_input_grad(0)) dy = i == 0 ? at::mm(dqi, wi) : dy.addmm_(dqi, wi);
-      if (dw.defined()) linear_weight_grads(dqi, y2, dw.narrow(0, i * hl, hl), db.narrow(0, i * hl, hl));
+      if (dw.defined())
+        linear_weight_grads(dqi, y2, dw.narrow(0, i * hl, hl), db.narrow(0, i * hl, hl), in_place);
     }
+    if (in_place) dw = db = at::Tensor();  // added already: nothing for AccumulateGrad
     // y was [B, S, h]; the core's gradients are [B, a, S, d].
     return {dy.defined() ? dy.view({g[0].size(0), g[0].size(2), w.size(1)}) : dy, dw, db, at::Tensor()};
   }

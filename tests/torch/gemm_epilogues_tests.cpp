@@ -4,6 +4,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <tuple>
+#include <vector>
 #include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/gpt.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
@@ -147,4 +149,98 @@ TEST_CASE("single epilogue GEMMs: refused on the host, exact to 16-bit rounding 
     CHECK(max_rel(dw, at::mm(f(dy).t(), f(x))) < 1e-2);
     CHECK(max_rel(db, f(dy).sum(0)) < 1e-2);
   }
+}
+
+// gemm_epilogues.hpp bias_grad: the column sum behind every bias gradient, written or added; on a
+// GPU dssim's kernel (bias_grad_cuda.cu) where the layout allows, ATen's sum elsewhere.
+TEST_CASE("bias gradient: the sum of dy's rows, written or added, on the host and a GPU", "[epilogues]") {
+  torch::manual_seed(14);
+  set_wgrad_in_place(true);  // the kernel's mode
+  for (auto dev : {at::Device(at::kCPU), at::Device(at::kCUDA, 0)}) {
+    if (dev.is_cuda() && !torch::cuda::is_available()) continue;
+    for (auto type : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      if (type == at::kHalf && !dev.is_cuda()) continue;  // libtorch 1.13 has no fp16 sum on the host
+      // (rows, cols, ld): the kernel's layout with a row stride past the columns, rows that split
+      // unevenly, a column count it refuses (not a multiple of 16 bytes: ATen's sum), one row.
+      for (auto [rows, cols, ld] : {std::tuple<int64_t, int64_t, int64_t>{3001, 520, 528}, {16384, 256, 256},
+                                    {77, 12, 12}, {1, 64, 64}}) {
+        INFO(dev << " " << c10::toString(type) << " rows " << rows << " cols " << cols << " ld " << ld);
+        const auto o = at::TensorOptions().device(dev).dtype(type);
+        const auto f32 = at::TensorOptions().device(dev);
+        const auto dy = at::randn({rows, ld}, f32).to(type).narrow(1, 0, cols);
+        const auto ref = dy.to(at::kDouble).sum(0);
+        auto db = at::full({cols}, 7.0, o);
+        bias_grad(dy, db, false);
+        const double tol = type == at::kFloat ? 1e-5 : 1e-2;
+        CHECK(max_rel(db, ref) < tol);
+        const auto before = at::randn({cols}, f32).to(type);
+        auto acc = before.clone();
+        bias_grad(dy, acc, true);
+        CHECK(max_rel(acc, ref + before.to(at::kDouble)) < tol);
+        // The kernel sums in a fixed order: the same bits again.
+        auto again = at::full({cols}, 7.0, o);
+        bias_grad(dy, again, false);
+        REQUIRE(at::equal(again, db));
+      }
+    }
+  }
+}
+
+// The block's backward adds its weight and bias gradients into the parameters' preset gradient
+// buffers (the engine's views into its flat buffers) where they take them (grad_in_place), over two
+// micro-batches, as AccumulateGrad would: against the same block with no preset buffers.
+TEST_CASE("block weight gradients added into preset gradient buffers in place", "[epilogues]") {
+  const at::Device gpu(at::kCUDA, 0);
+  if (!torch::cuda::is_available() ||
+      !gemm_epilogues_apply(at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)),
+                            at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)))) {
+    WARN("no CUDA device or no cuBLASLt in this build: the in-place weight gradients' GPU test is skipped");
+    return;
+  }
+  torch::manual_seed(15);
+  const auto type = at::kBFloat16;
+  // In place, and DSSIM_WGRAD=bgradb's temporaries added by AccumulateGrad: the same values.
+  for (bool in_place : {true, false})
+  for (bool is_mlp : {true, false})
+    for (bool bias2 : {true, false}) {
+      set_wgrad_in_place(in_place);
+      const bool qkv = !is_mlp && !bias2;
+      INFO((in_place ? "in place, " : "bgradb, ") << (qkv ? "qkv + attention" : is_mlp ? "mlp" : "linear")
+           << (bias2 ? " with b2" : ""));
+      const int64_t h = 64, f = qkv ? 3 * h : 256, o = is_mlp ? h : f;
+      const auto in = inputs(gpu, type, h, f);
+      const auto opts = at::TensorOptions().device(gpu);
+      std::vector<at::Tensor> ups;
+      for (int mb = 0; mb < 2; ++mb)
+        ups.push_back((qkv ? at::randn({2, 4, 48, 16}, opts) : at::randn({2, 48, o}, opts)).to(type));
+      // Two micro-batches each way: `preset` starts every parameter's gradient at a buffer of its own
+      // (random values, as a step's earlier micro-batches would leave), the reference at none.
+      std::vector<at::Tensor> preset, plain, start;
+      for (size_t i = 0; i < in.size(); ++i) {
+        preset.push_back(in[i].detach().clone().requires_grad_(true));
+        plain.push_back(in[i].detach().clone().requires_grad_(true));
+        start.push_back(at::randn(in[i].sizes(), opts).to(type) * 0.01);
+        if (i >= 1 && i <= 4) preset[i].mutable_grad() = start[i].clone();  // the weights and biases
+      }
+      std::vector<void*> buffers;
+      for (size_t i = 1; i <= 4; ++i) buffers.push_back(preset[i].grad().data_ptr());
+      const auto forward = [&](std::vector<at::Tensor>& p) {
+        if (is_mlp) return mlp(p[0], p[1], p[2], p[3], bias2 ? p[4] : at::Tensor(), bias2 ? p[5] : at::Tensor());
+        if (bias2) return biased_linear(p[0], p[1], p[2], p[6]);
+        return qkv_projection_attention(p[0], p[1], p[2], 4, false);
+      };
+      for (const auto& up : ups) {
+        torch::autograd::backward({forward(preset)}, {up});
+        torch::autograd::backward({forward(plain)}, {up});
+      }
+      const std::vector<int> params = is_mlp ? (bias2 ? std::vector<int>{1, 2, 3, 4} : std::vector<int>{1, 2, 3})
+                                             : std::vector<int>{1, 2};
+      for (int i : params) {
+        INFO("parameter " << i);
+        REQUIRE(preset[i].grad().data_ptr() == buffers[i - 1]);  // the same buffer, added into
+        CHECK(max_rel(preset[i].grad(), plain[i].grad().to(at::kDouble) + start[i].to(at::kDouble)) < 2e-2);
+      }
+      // The input's gradient does not depend on where the weights' went.
+      REQUIRE(at::equal(preset[0].grad(), plain[0].grad()));
+    }
 }
