@@ -19,6 +19,7 @@
 #include <ATen/record_function.h>
 #include <nlohmann/json.hpp>
 #include "backends/torch/checkpoint.hpp"
+#include "backends/torch/engine_measure.hpp"
 #include "backends/torch/env.hpp"
 #include "backends/torch/gpt.hpp"
 #include "backends/torch/moe.hpp"
@@ -76,7 +77,7 @@ class Engine {
         dtype_(torch_dtype(sc.precision.dtype)),
         fp16_(sc.precision.dtype == Dtype::fp16),
         scaler_(sc.precision.loss_scale, fp16_),
-        data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world) {
+        data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world), meter_(device) {
     const auto& par = sc.parallel;
     if (sc.optimizer.kind != OptimizerKind::adamw && sc.optimizer.kind != OptimizerKind::onebit_adam)
       throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
@@ -176,7 +177,7 @@ class Engine {
     z.dp_comm = dp_comm_.get();
     z.measuring = &measuring_;
     z.local_grads = &local_grads_;
-    z.inner_seconds = &inner_seconds_;
+    z.inner_seconds = &meter_.inner_seconds;
     z.timing_sync = [this] { timing_sync(); };
     zero_ = std::make_unique<ZeroState>(sc, cfg_, layout_, z);
     if (sc.optimizer.kind == OptimizerKind::onebit_adam) setup_onebit();
@@ -241,7 +242,7 @@ class Engine {
         auto x = embed_forward(cfg_, tp_, param(0, "forward"), st.tokens.narrow(1, 0, cfg_.seq_len));
         st.segments.push_back({0, {}, x, {}});
       } else {
-        auto x = pipe_.take(Purpose::PipelineActivation, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
+        auto x = pipe_.take(Purpose::PipelineActivation, std::max(0, in.chunk), mb, &meter_.inner_seconds["recv"]);
         st.segments.push_back({-1, {}, x, {}});
       }
     }
@@ -298,7 +299,7 @@ class Engine {
       zero_->complete_buckets(cfg_.final_unit());
       st.segments.pop_back();
     } else if (le == ch.layer_end()) {  // the chunk's output gradient comes from the next stage
-      grad = pipe_.take(Purpose::PipelineGradient, std::max(0, in.chunk), mb, &inner_seconds_["recv"]);
+      grad = pipe_.take(Purpose::PipelineGradient, std::max(0, in.chunk), mb, &meter_.inner_seconds["recv"]);
     } else {
       grad = pending_grad_[key];
     }
@@ -322,7 +323,7 @@ class Engine {
         out = block_forward(cfg_, tp_, p, seg.input, recompute_attention_, moe_ptr);
         if (moe_ptr) aux = moe.l_aux * sc_.model.moe_loss_coeff;
         if (measuring_) timing_sync();
-        inner_seconds_["recompute"] += seconds_since(t0);
+        meter_.inner_seconds["recompute"] += seconds_since(t0);
       }
       if (aux.defined() && aux.requires_grad()) {
         // The load-balancing loss joins the training loss, scaled as the LM loss is.
@@ -776,7 +777,7 @@ class Engine {
     for (const auto& [k, v] : world_.counters().bytes)
       if (k.second != Purpose::None) got[counter_key(k.first, k.second)] += v;
     for (const auto& [k, v] : zero_->copy_bytes()) got[counter_key(k.first, k.second)] += v;
-    std::map<std::string, double> all = expected_;
+    std::map<std::string, double> all = meter_.expected;
     for (const auto& [k, v] : got) all.emplace(k, 0.0);
     for (const auto& [k, want] : all) {
       if (!ep_.check_bytes && (k == counter_key(Op::AllToAll, Purpose::MoEDispatch) ||
@@ -819,17 +820,12 @@ class Engine {
       if (trace_)
         std::fprintf(stderr, "rank %d pc %zu: %s/%s mb %d chunk %d layers %d+%d x%d\n", rank_, pc_, to_string(in.op),
                      to_string(in.purpose), in.micro_batch, in.chunk, in.layer_begin, in.layer_count, in.repeat);
-      if (timeline) {
-        peak_seen_ = std::max(peak_seen_, cuda_peak_allocated_bytes(dev_));
-        cuda_reset_peak(dev_);
-      }
+      if (timeline) meter_.memory_before();
       // In a kernel trace (DSSIM_KERNEL_TRACE) each instruction is a named range, so the trace's
       // kernels can be told apart by instruction (bench/kernel_trace_summary.py --by-instruction).
       const std::string label = kernel_tracing_ ? instruction_label(in) : std::string();
       RECORD_USER_SCOPE(label);
-      auto t0 = Clock::now();
-      const auto inner0 = timed ? inner_seconds_ : std::map<std::string, double>{};
-      const double cw0 = zero_->comm_wait_seconds();
+      const auto span = meter_.begin(timed, zero_->comm_wait_seconds());
       tp_.timing = timed;
       ep_.timing = timed;
       // (Not the sequence-parallel gradient sums, which name their bucket: on the compute stream
@@ -882,17 +878,8 @@ class Engine {
                                      to_string(in.purpose) + " is not supported by the torch backend");
         }
       }
-      // TP collectives ran inside the compute: reported under their own kinds.
-      for (auto& [op, sec] : tp_.seconds) {
-        inner_seconds_[to_string(op)] += sec;
-        tp_comm_seconds_ += sec;
-      }
-      tp_.seconds.clear();
-      if (ep_.seconds > 0) {
-        inner_seconds_["moe_all_to_all"] += ep_.seconds;
-        ep_comm_seconds_ += ep_.seconds;
-        ep_.seconds = 0;
-      }
+      // TP and MoE collectives ran inside the compute: reported under their own kinds.
+      meter_.add_compute_collectives(tp_.seconds, ep_.seconds);
       if (timed) {
         // A collective runs on the communicator's stream: timed to its completion. Consecutive
         // compute instructions of one kind (ZeRO-3's per-layer forward and backward on one rank,
@@ -900,41 +887,10 @@ class Engine {
         // between them would leave the GPU idle while the host queues the next one.
         if (is_collective(in.op)) sync();
         else if (!continues_same_kind(rp)) timing_sync();
-        const double dt = seconds_since(t0);
-        // Work the instruction ran on behalf of another kind (recompute inside Backward, the
-        // parameter copy inside the host step) is reported under that kind.
-        double inner = 0;
-        for (const auto& [kind, sec] : inner_seconds_) {
-          const auto it = inner0.find(kind);
-          const double d = sec - (it == inner0.end() ? 0.0 : it->second);
-          if (d > 0) seconds_by_op_[kind] += d, inner += d;
-        }
-        const double cw = zero_->comm_wait_seconds() - cw0;
-        seconds_by_op_[to_string(in.op)] += dt - inner - cw;
-        if (cw > 0) seconds_by_op_["dp_comm_wait"] += cw;
-        if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D || in.op == Op::Send ||
-            in.op == Op::Recv)
-          expected_[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
+        meter_.end(span, in, zero_->comm_wait_seconds());
       }
-      if (timeline) {
-        const double peak = cuda_peak_allocated_bytes(dev_);
-        peak_seen_ = std::max(peak_seen_, peak);
-        timeline->push_back({to_string(in.op), in.micro_batch, in.layer_begin, cuda_allocated_bytes(dev_), peak});
-      }
+      if (timeline) meter_.memory_after(in, *timeline);
     }
-  }
-
-  static double host_peak_bytes() {
-    std::ifstream st("/proc/self/status");
-    std::string line;
-    while (std::getline(st, line))
-      if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
-    return 0;
-  }
-  double peak_memory_bytes() {
-    const double cuda = cuda_peak_allocated_bytes(dev_);
-    if (cuda >= 0) return std::max(cuda, peak_seen_);  // the timeline restarts the allocator's peak
-    return host_peak_bytes();
   }
 
   const Scenario& sc_;
@@ -956,7 +912,6 @@ class Engine {
   TensorParallel tp_;
   bool after_recompute_ = false;
   const bool trace_ = std::getenv("DSSIM_TRACE_PROGRAM") != nullptr;  // one line per instruction (debugging)
-  double tp_comm_seconds_ = 0, ep_comm_seconds_ = 0;  // while measuring
   std::map<int64_t, at::Tensor> send_grad_;          // by slot_key: input gradients to send
   int micro_batch_ = 1, grad_accum_ = 1;
   bool recompute_attention_ = false;
@@ -973,9 +928,7 @@ class Engine {
   size_t pc_ = 0;
   double step_scale_ = 1;
   bool step_skipped_ = false, measuring_ = false, kernel_tracing_ = false;
-  double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
-  std::map<std::string, double> inner_seconds_;  // by instruction kind, see execute()
-  std::map<std::string, double> seconds_by_op_, expected_;
+  InstructionMeter meter_;  // seconds, bytes and memory of what execute() runs (engine_measure.hpp)
   std::unique_ptr<OnebitAdam> onebit_;
   // MoE: the experts, the expert-parallel context, routing statistics over the measured steps.
   std::unique_ptr<ExpertStore> experts_;
@@ -1006,7 +959,7 @@ EngineResult Engine::run() {
   // transients such as the experts' fp32 initialisation are not model state; on the host the
   // process's high-water mark, the only figure there is).
   const double cuda_resident = cuda_allocated_bytes(dev_);
-  const double static_bytes = cuda_resident >= 0 ? cuda_resident : peak_memory_bytes();
+  const double static_bytes = cuda_resident >= 0 ? cuda_resident : meter_.peak_memory_bytes();
   int done = 0;
   while (step_ < o_.steps) {
     if (rank_ == o_.kill_rank && step_ + 1 == o_.kill_at_step) {
@@ -1043,7 +996,7 @@ EngineResult Engine::run() {
       const double cw0 = zero_->comm_wait_seconds();
       zero_->flush_all();
       const double cw = zero_->comm_wait_seconds();
-      if (measuring_ && cw > cw0) seconds_by_op_["dp_comm_wait"] += cw - cw0;
+      if (measuring_) meter_.add_comm_wait(cw - cw0);
     }
     sync();
     const double dt = seconds_since(t0);
@@ -1079,13 +1032,13 @@ EngineResult Engine::run() {
   if (!res.step_seconds.empty()) verify_bytes();
   if (!o_.dump_params.empty()) dump_params();
   res.measured_steps = int(res.step_seconds.size());
-  res.seconds_by_op = seconds_by_op_;
-  res.tp_comm_seconds = tp_comm_seconds_;
-  res.ep_comm_seconds = ep_comm_seconds_;
+  res.seconds_by_op = meter_.seconds_by_op;
+  res.tp_comm_seconds = meter_.tp_comm_seconds;
+  res.ep_comm_seconds = meter_.ep_comm_seconds;
   res.comm = world_.counters();
   for (const auto& [k, v] : zero_->copy_bytes()) res.comm.bytes[k] += v;
   for (const auto& [k, v] : zero_->copy_calls()) res.comm.calls[k] += v;
-  res.expected_bytes = expected_;
+  res.expected_bytes = meter_.expected;
   if (experts_ && !res.step_seconds.empty()) res.moe = moe_stats_.over_world(world_, dev_);
   if (offload_) {
     zero_->host_offload_stats(res.host_offload);
@@ -1112,10 +1065,10 @@ EngineResult Engine::run() {
   }
   if (offload_) m["host_optimizer"] = optim;
   else m["optimizer"] = optim;
-  const double peak = peak_memory_bytes();
+  const double peak = meter_.peak_memory_bytes();
   m["peak"] = peak;
   m["activations_and_temporaries"] = std::max(0.0, peak - std::max(static_bytes, params + grads + (offload_ ? 0 : optim)));
-  if (dev_.is_cuda()) m["host_peak"] = host_peak_bytes();  // the process's resident high-water mark
+  if (dev_.is_cuda()) m["host_peak"] = InstructionMeter::host_peak_bytes();  // the process's resident high-water mark
   return res;
 }
 

@@ -1,0 +1,72 @@
+#include "backends/torch/engine_measure.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include "backends/torch/torch_compat.hpp"
+
+namespace dssim::tb {
+
+InstructionMeter::Span InstructionMeter::begin(bool timed, double comm_wait_seconds) const {
+  Span s;
+  s.t0 = Clock::now();
+  s.timed = timed;
+  if (timed) s.inner0 = inner_seconds;
+  s.comm_wait0 = comm_wait_seconds;
+  return s;
+}
+
+void InstructionMeter::end(const Span& span, const Instruction& in, double comm_wait_seconds) {
+  if (!span.timed) return;
+  const double dt = seconds_since(span.t0);
+  double inner = 0;
+  for (const auto& [kind, sec] : inner_seconds) {
+    const auto it = span.inner0.find(kind);
+    const double d = sec - (it == span.inner0.end() ? 0.0 : it->second);
+    if (d > 0) seconds_by_op[kind] += d, inner += d;
+  }
+  const double cw = comm_wait_seconds - span.comm_wait0;
+  seconds_by_op[to_string(in.op)] += dt - inner - cw;
+  add_comm_wait(cw);
+  if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D || in.op == Op::Send || in.op == Op::Recv)
+    expected[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);
+}
+
+void InstructionMeter::add_compute_collectives(std::map<Op, double>& tp_seconds, double& ep_seconds) {
+  for (auto& [op, sec] : tp_seconds) {
+    inner_seconds[to_string(op)] += sec;
+    tp_comm_seconds += sec;
+  }
+  tp_seconds.clear();
+  if (ep_seconds > 0) {
+    inner_seconds["moe_all_to_all"] += ep_seconds;
+    ep_comm_seconds += ep_seconds;
+    ep_seconds = 0;
+  }
+}
+
+void InstructionMeter::memory_before() {
+  peak_seen_ = std::max(peak_seen_, cuda_peak_allocated_bytes(dev_));
+  cuda_reset_peak(dev_);
+}
+
+void InstructionMeter::memory_after(const Instruction& in, std::vector<EngineResult::MemoryPoint>& timeline) {
+  const double peak = cuda_peak_allocated_bytes(dev_);
+  peak_seen_ = std::max(peak_seen_, peak);
+  timeline.push_back({to_string(in.op), in.micro_batch, in.layer_begin, cuda_allocated_bytes(dev_), peak});
+}
+
+double InstructionMeter::host_peak_bytes() {
+  std::ifstream st("/proc/self/status");
+  std::string line;
+  while (std::getline(st, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+  return 0;
+}
+
+double InstructionMeter::peak_memory_bytes() const {
+  const double cuda = cuda_peak_allocated_bytes(dev_);
+  if (cuda >= 0) return std::max(cuda, peak_seen_);  // the timeline restarts the allocator's peak
+  return host_peak_bytes();
+}
+
+}  // namespace dssim::tb

@@ -1,0 +1,63 @@
+// What the engine (engine.cpp) measures while it interprets the Program, kept apart from the
+// interpretation: seconds per instruction kind, the bytes each kind should have moved, and the
+// memory timeline and peak. The engine opens a span before each instruction and closes it once
+// the device has finished it (engine.cpp execute(): a sync after collectives, a stream sync before
+// an instruction of another kind); work that one instruction runs on behalf of another kind
+// (recompute inside Backward, a pipeline receive inside Forward, the parameter copy inside the host
+// step, TP and MoE collectives inside the compute) is added to `inner_seconds` and reported under
+// its own kind, not the instruction's.
+#pragma once
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+#include "backends/torch/engine.hpp"
+#include "backends/torch/stopwatch.hpp"
+#include "core/program.hpp"
+
+namespace dssim::tb {
+
+class InstructionMeter {
+ public:
+  explicit InstructionMeter(const torch::Device& dev) : dev_(dev) {}
+
+  // One instruction's timing: its start, and what had been counted before it.
+  struct Span {
+    Clock::time_point t0;
+    std::map<std::string, double> inner0;
+    double comm_wait0 = 0;
+    bool timed = false;
+  };
+  // Opens the span of an instruction (`timed`: the engine is measuring); comm_wait_seconds is the
+  // ZeRO state's running data-parallel wait.
+  Span begin(bool timed, double comm_wait_seconds) const;
+  // Closes it once the device has finished the instruction: its seconds, less the inner work and
+  // the data-parallel wait (reported as `dp_comm_wait`), under its kind; the bytes the Program says
+  // its copies and collectives move. Nothing when the span was not timed.
+  void end(const Span& span, const Instruction& in, double comm_wait_seconds);
+
+  // TP and MoE collectives issued inside the compute: their kinds' inner seconds, and the totals
+  // the report shows as communication inside the compute.
+  void add_compute_collectives(std::map<Op, double>& tp_seconds, double& ep_seconds);
+  // A data-parallel wait outside every instruction (the step's final flush).
+  void add_comm_wait(double seconds) { if (seconds > 0) seconds_by_op["dp_comm_wait"] += seconds; }
+
+  // The memory timeline (CUDA): before an instruction, the allocator's peak so far is kept and
+  // restarted; after it, the bytes allocated and the peak while it ran.
+  void memory_before();
+  void memory_after(const Instruction& in, std::vector<EngineResult::MemoryPoint>& timeline);
+  // The run's peak: the allocator's (with what the timeline restarted), or the host's high-water mark.
+  double peak_memory_bytes() const;
+  static double host_peak_bytes();
+
+  std::map<std::string, double> inner_seconds;            // by instruction kind, running totals
+  std::map<std::string, double> seconds_by_op, expected;  // over the measured steps
+  double tp_comm_seconds = 0, ep_comm_seconds = 0;        // over the measured steps
+
+ private:
+  torch::Device dev_;
+  double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
+};
+
+}  // namespace dssim::tb
