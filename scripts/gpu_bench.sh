@@ -53,9 +53,11 @@ set(Boost_program_options_FOUND TRUE)
 set(Boost_VERSION 1.74.0)
 EOF
   # Catch2 (header-only, v2) for the GPU test programs (DSSIM_GPU_TESTS=ON), where installed here.
+  # Its CMake targets name the static Catch2WithMain library beside them (dssim links its own main).
   if [[ -f /usr/include/catch2/catch.hpp && -d /usr/lib/cmake/Catch2 ]]; then
     cp -r /usr/include/catch2 "$D/include/"
     cp -r /usr/lib/cmake/Catch2 "$D/lib/cmake/"
+    [[ -f /usr/lib/libCatch2WithMain.a ]] && cp /usr/lib/libCatch2WithMain.a "$D/lib/"
   fi
   echo "packed into $D"
   exit 0
