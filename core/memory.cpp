@@ -62,10 +62,9 @@ double activation_bytes_per_layer(double s, double b, double h, double a, int t,
 // probabilities s b E (on s b / t tokens with SP). Around the experts, with index-based dispatch
 // and combine (the torch engine's moe.cpp; DeepSpeed's einsum instead keeps s x E x C combine
 // weights): the gate's fp32 copy of its input, 4h per token (DeepSpeed's TopKGate runs its linear
-// in fp32 too), in place of the 16-bit MLP input a dense layer keeps (the dispatch's index_select
-// keeps only indices); the dispatch's gathered token rows, top_k rows of 2h per token (the
-// index_copy into the expert buffers keeps its source for the backward); and the combine's
-// gathered expert outputs, top_k rows of 2h per token (their product with the gate weights keeps both).
+// in fp32 too), in place of the 16-bit MLP input a dense layer keeps (the dispatch keeps only
+// indices: moe.cpp's DispatchFunction); and the combine's gathered expert outputs, top_k rows of 2h
+// per token (their product with the gate weights keeps both).
 // Llama-shaped layers (the same accounting, term by term; kv = kv_heads * head_dim):
 //   GQA: Q 2h, K 2kv, V 2kv, projection input 2h -> (4h + 4kv) s b / t (= 8 sbh at kv = h); rotary
 //     keeps nothing more (q, k are kept rotated; its backward needs only the cos / sin tables);
@@ -101,7 +100,7 @@ double activation_bytes_per_layer(const ModelSpec& m, int micro_batch, int tp,
   if (moe_layer && m.is_moe()) {
     const double routed = moe_routed_slots(m, s * b) / t;
     split += routed * (2 * h + mlp_kept * f) * sc + 4.0 * s * b * m.experts / sp_div;
-    split += (4.0 - 2 * sc + 4 * sc * m.top_k) * sbh / sp_div;  // fp32 gate input for the MLP input; dispatch, combine rows
+    split += (4.0 - 2 * sc + 2 * sc * m.top_k) * sbh / sp_div;  // fp32 gate input for the MLP input; combine rows
   } else {
     split += mlp_kept * sc * s * b * f / t;
   }

@@ -187,13 +187,36 @@ Routing moe_gate(const at::Tensor& tokens, const at::Tensor& gate_w, const Model
   return top_k_gating(at::linear(gin, gate_w.to(at::kFloat)), m, gen, max_over_group);
 }
 
+namespace {
+// out[dest[i]] = tokens[i / k] into E C + 1 zero rows (the last one the dropped tokens' spare). As
+// one autograd function the backward keeps the indices only: autograd's index_select + index_copy
+// kept the gathered rows, top_k of them a token, for index_copy's source gradient. Backward: each
+// token's gradient is the sum over its k slots' rows, the same sums index_select's backward formed.
+struct DispatchFunction : torch::autograd::Function<DispatchFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& dest,
+                            int64_t k, int64_t rows) {
+    const int64_t T = tokens.size(0), h = tokens.size(1);
+    const auto token = at::div(at::arange(T * k, dest.options()), k, "floor");
+    auto out = at::zeros({rows, h}, tokens.options());
+    out.index_copy_(0, dest, tokens.index_select(0, token));
+    ctx->save_for_backward({dest});
+    ctx->saved_data["k"] = k;
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto dest = ctx->get_saved_variables()[0];
+    const int64_t k = ctx->saved_data["k"].toInt(), h = grad_out[0].size(1);
+    const auto rows = grad_out[0].index_select(0, dest);  // [T k, h]
+    return {rows.view({-1, k, h}).sum(1), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
 at::Tensor moe_dispatch(const at::Tensor& tokens, const Routing& r, int64_t experts) {
-  const int64_t T = tokens.size(0), h = tokens.size(1), k = r.expert.size(1), C = r.capacity;
+  const int64_t k = r.expert.size(1), C = r.capacity;
   const auto dest = dispatch_rows(r, experts);
-  const auto token = at::div(at::arange(T * k, dest.options()), k, "floor");
-  return at::zeros({experts * C + 1, h}, tokens.options())
-      .index_copy(0, dest, tokens.index_select(0, token))
-      .narrow(0, 0, experts * C);
+  return DispatchFunction::apply(tokens, dest, k, experts * C + 1).narrow(0, 0, experts * C);
 }
 
 at::Tensor moe_combine(const at::Tensor& expert_out, const Routing& r) {
