@@ -17,9 +17,8 @@
 // (grad_in_place) and each bias gradient by dssim's column-sum kernel (bias_grad_cuda.hpp):
 //             dW2 += dout^T m, db2 += sum(dout)       one GEMM (beta 1) + the column-sum kernel
 // with no temporary and no AccumulateGrad kernel. Saved tensors are ATen's (x, pre, m), so memory
-// is unchanged. Elsewhere (CPUs, fp32,
-// libtorch 1.13, no cuBLASLt, shapes cuBLASLt refuses) these are ATen's ops, exactly the
-// expressions they replace. DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off, its
+// is unchanged. Elsewhere (CPUs, fp32, libtorch 1.13, no cuBLASLt, shapes cuBLASLt refuses) these
+// are ATen's ops, exactly the expressions they replace. DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off, its
 // letters pick parts (f forward, g GELU backward, b bias gradients): A/B measurements.
 #pragma once
 #include <string>
