@@ -111,14 +111,8 @@ int column_sum_splits(int64_t rows, int64_t cols, int multiprocessors) {
 void launch_column_sum(const ColumnSumLaunch& a, void* stream_ptr) {
   if (a.cols <= 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (a.type) {
-    case DType::F32: launch_typed<float>(a, stream); break;
-    case DType::BF16: launch_typed<__nv_bfloat16>(a, stream); break;
-    case DType::F16: launch_typed<__half>(a, stream); break;
-    case DType::None: throw std::invalid_argument("launch_column_sum: no type");
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("column-sum kernel: ") + cudaGetErrorString(err));
+  by_type(a.type, "launch_column_sum: no type", [&](auto t) { launch_typed<decltype(t)>(a, stream); });
+  check_launch("column-sum kernel");
 }
 
 }  // namespace dssim::tb::cuda

@@ -112,14 +112,8 @@ void launch_typed(const CrossEntropyLaunch& a, cudaStream_t stream) {
 void launch_cross_entropy(const CrossEntropyLaunch& a, void* stream_ptr) {
   if (a.rows <= 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (a.type) {
-    case DType::F32: launch_typed<float>(a, stream); break;
-    case DType::BF16: launch_typed<__nv_bfloat16>(a, stream); break;
-    case DType::F16: launch_typed<__half>(a, stream); break;
-    case DType::None: throw std::invalid_argument("launch_cross_entropy: no logits type");
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("cross-entropy kernel: ") + cudaGetErrorString(err));
+  by_type(a.type, "launch_cross_entropy: no logits type", [&](auto t) { launch_typed<decltype(t)>(a, stream); });
+  check_launch("cross-entropy kernel");
 }
 
 }  // namespace dssim::tb::cuda

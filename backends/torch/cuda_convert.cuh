@@ -1,8 +1,13 @@
 // Conversions between the 16-bit types dssim's CUDA kernels read and write and the float they
-// compute in (round to nearest even), shared by fused_adamw_cuda.cu and cross_entropy_cuda.cu.
+// compute in (round to nearest even), and the launchers' dispatch on a DType and error check,
+// shared by fused_adamw_cuda.cu, cross_entropy_cuda.cu and bias_grad_cuda.cu.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdexcept>
+#include <string>
+#include "backends/torch/fused_adamw_cuda.hpp"  // DType
 
 namespace dssim::tb::cuda {
 
@@ -15,5 +20,24 @@ template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// Calls f with a value of type's element type (float, __nv_bfloat16, __half); DType::None throws
+// std::invalid_argument(`none`).
+template <class F>
+void by_type(DType type, const char* none, F&& f) {
+  switch (type) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(__nv_bfloat16{}); return;
+    case DType::F16: f(__half{}); return;
+    case DType::None: break;
+  }
+  throw std::invalid_argument(none);
+}
+
+// After a launch: a launch error becomes std::runtime_error("`kernel`: the error").
+inline void check_launch(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string(kernel) + ": " + cudaGetErrorString(err));
+}
 
 }  // namespace dssim::tb::cuda

@@ -144,14 +144,8 @@ void launch_fused_adamw(const FusedAdamWLaunch& a, void* stream_ptr) {
   h.pre = a.pre, h.coef = a.coef;
   h.apply_pre = a.pre != 1.0f, h.apply_coef = a.coef != 1.0f, h.clear = a.clear_grad;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (a.grad_type) {
-    case DType::F32: launch_out<float>(a, h, stream); break;
-    case DType::BF16: launch_out<__nv_bfloat16>(a, h, stream); break;
-    case DType::F16: launch_out<__half>(a, h, stream); break;
-    case DType::None: throw std::invalid_argument("launch_fused_adamw: no gradient");
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("fused AdamW kernel: ") + cudaGetErrorString(err));
+  by_type(a.grad_type, "launch_fused_adamw: no gradient", [&](auto g) { launch_out<decltype(g)>(a, h, stream); });
+  check_launch("fused AdamW kernel");
 }
 
 }  // namespace dssim::tb::cuda

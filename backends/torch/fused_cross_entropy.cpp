@@ -8,6 +8,7 @@
 #include "backends/torch/torch_compat.hpp"
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
 #include "backends/torch/cross_entropy_cuda.hpp"
+#include "backends/torch/kernel_dtype.hpp"
 #endif
 
 namespace dssim::tb {
@@ -26,9 +27,8 @@ std::pair<at::Tensor, at::Tensor> cross_entropy_chunk(const at::Tensor& logits, 
   // On GPUs, one kernel (cross_entropy_cuda.cu): loss = logsumexp - the target's logit, the gradient
   // written in the logits' type without an fp32 copy of the chunk.
   if (cross_entropy_kernel_enabled() && logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == at::kLong) {
-    const auto st = logits.scalar_type();
     cuda::CrossEntropyLaunch a;
-    a.type = st == at::kBFloat16 ? cuda::DType::BF16 : st == at::kHalf ? cuda::DType::F16 : cuda::DType::F32;
+    a.type = kernel_dtype(logits);
     const auto t = targets.reshape({-1}).contiguous();
     auto rows = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
     at::Tensor grad = scale != 0 ? at::empty_like(logits) : at::Tensor();

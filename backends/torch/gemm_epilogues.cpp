@@ -16,6 +16,7 @@
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include "backends/torch/bias_grad_cuda.hpp"
+#include "backends/torch/kernel_dtype.hpp"
 #endif
 #if defined(DSSIM_HAVE_CUBLASLT) && defined(DSSIM_TORCH_CUDA)
 #include "backends/torch/gemm_epilogue_cuda.hpp"
@@ -150,22 +151,13 @@ std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   return s;
 }
 
-// dW = dy^T x and, when b is a bias (not empty), db = the sum of dy's rows: added by the GEMM and
-// the bias kernel into w's and b's gradient buffers where both take it (returned undefined, so
-// AccumulateGrad skips them), else returned as new tensors.
+// dW = dy^T x and, when b is a bias (not empty), db = the sum of dy's rows, into weight_grad_target's
+// buffers: what the backward returns for AccumulateGrad (nothing where they were added in place).
 std::pair<at::Tensor, at::Tensor> weight_grads(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                                const at::Tensor& b) {
-  const bool bias = b.defined() && b.numel() > 0;
-  const at::Tensor gw = grad_in_place(w), gb = bias ? grad_in_place(b) : at::Tensor();
-  if (gw.defined() && (!bias || gb.defined())) {
-    linear_weight_grads(dy, x, gw, gb, true);
-    return {at::Tensor(), at::Tensor()};
-  }
-  if (!bias) return {at::mm(dy.t(), x), at::Tensor()};
-  auto dw = at::empty({dy.size(1), x.size(1)}, dy.options());
-  auto db = at::empty({dy.size(1)}, dy.options());
-  linear_weight_grads(dy, x, dw, db);
-  return {dw, db};
+  const WeightGradTarget t = weight_grad_target(w, b);
+  linear_weight_grads(dy, x, t.dw, t.db, t.in_place);
+  return t.returned();
 }
 
 struct MlpFunction : public torch::autograd::Function<MlpFunction> {
@@ -310,20 +302,15 @@ bool gemm_bgradb(const at::Tensor&, const at::Tensor&, const at::Tensor&, const 
 #endif
 
 namespace {
-std::atomic<int> wgrad_mode{-1};  // -1: not yet read from DSSIM_WGRAD; 0: bgradb; 1: in place
+std::atomic<bool>& wgrad_mode() {  // read from DSSIM_WGRAD once; set_wgrad_in_place overrides it
+  static std::atomic<bool> in_place{env_str("DSSIM_WGRAD", "bgradb") == "in_place"};
+  return in_place;
+}
 }  // namespace
 
-bool wgrad_in_place() {
-  int m = wgrad_mode.load();
-  if (m < 0) {
-    m = env_str("DSSIM_WGRAD", "bgradb") == "in_place" ? 1 : 0;
-    int unset = -1;
-    if (!wgrad_mode.compare_exchange_strong(unset, m)) m = wgrad_mode.load();
-  }
-  return m == 1;
-}
+bool wgrad_in_place() { return wgrad_mode().load(); }
 
-void set_wgrad_in_place(bool on) { wgrad_mode.store(on ? 1 : 0); }
+void set_wgrad_in_place(bool on) { wgrad_mode().store(on); }
 
 at::Tensor grad_in_place(const at::Tensor& p) {
   if (!wgrad_in_place() || !p.defined() || p.numel() == 0 || at::GradMode::is_enabled() || !p.is_leaf() ||
@@ -334,13 +321,25 @@ at::Tensor grad_in_place(const at::Tensor& p) {
   return g;
 }
 
+WeightGradTarget weight_grad_target(const at::Tensor& w, const at::Tensor& b) {
+  const bool bias = b.defined() && b.numel() > 0;
+  WeightGradTarget t;
+  t.dw = grad_in_place(w);
+  t.db = bias ? grad_in_place(b) : at::Tensor();
+  t.in_place = t.dw.defined() && (!bias || t.db.defined());
+  if (!t.in_place) {
+    t.dw = at::empty_like(w);
+    t.db = bias ? at::empty_like(b) : at::Tensor();
+  }
+  return t;
+}
+
 void bias_grad(const at::Tensor& dy, const at::Tensor& db, bool accumulate) {
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
-  const auto st = dy.scalar_type();
   // The kernel belongs to the in-place path; DSSIM_WGRAD=bgradb is the engine before, ATen's sum.
-  const auto type = st == at::kBFloat16 ? cuda::DType::BF16 : st == at::kHalf ? cuda::DType::F16
-                    : st == at::kFloat  ? cuda::DType::F32 : cuda::DType::None;
-  if (wgrad_in_place() && dy.is_cuda() && dy.dim() == 2 && dy.stride(1) == 1 && db.is_contiguous() && db.scalar_type() == st &&
+  const cuda::DType type = kernel_dtype(dy);
+  if (wgrad_in_place() && dy.is_cuda() && dy.dim() == 2 && dy.stride(1) == 1 && db.is_contiguous() &&
+      db.scalar_type() == dy.scalar_type() &&
       db.numel() == dy.size(1) && cuda::column_sum_supported(dy.data_ptr(), dy.size(1), dy.stride(0), type)) {
     cuda::ColumnSumLaunch a;
     a.x = dy.data_ptr();

@@ -22,6 +22,7 @@
 // letters pick parts (f forward, g GELU backward, b bias gradients): A/B measurements.
 #pragma once
 #include <string>
+#include <utility>
 #include <torch/torch.h>
 
 namespace dssim::tb {
@@ -55,6 +56,18 @@ at::Tensor grad_in_place(const at::Tensor& p);
 // cuBLASLt BGRADB GEMM (where the letter b of DSSIM_GEMM_EPILOGUES allows), which AccumulateGrad
 // then adds into the gradient buffer; or "in_place" (true): grad_in_place, the bias kernel.
 bool wgrad_in_place();
+// Where a linear's weight and bias gradients go (b empty or undefined: no bias): both parameters'
+// buffers, added into (in_place), where grad_in_place gives both; else new tensors of their shapes
+// for linear_weight_grads to write and the backward to return for AccumulateGrad.
+struct WeightGradTarget {
+  at::Tensor dw, db;
+  bool in_place = false;
+  // What the backward returns for w and b: nothing where added in place.
+  std::pair<at::Tensor, at::Tensor> returned() const {
+    return in_place ? std::pair<at::Tensor, at::Tensor>() : std::pair<at::Tensor, at::Tensor>(dw, db);
+  }
+};
+WeightGradTarget weight_grad_target(const at::Tensor& w, const at::Tensor& b);
 // Overrides DSSIM_WGRAD for this process (tests, A/B runs in one process).
 void set_wgrad_in_place(bool on);
 // The fused block's GEMMs one at a time, on 2-D contiguous tensors, as mlp / biased_linear and

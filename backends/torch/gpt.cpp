@@ -347,27 +347,19 @@ struct QkvProjectionAttention : torch::autograd::Function<QkvProjectionAttention
     const at::Tensor &y2 = saved[0], &w = saved[1], &b = saved[2];
     auto g = core_grads(ctx, grad_out[0]);
     const int64_t hl = w.size(0) / 3;
-    at::Tensor dy, dw, db;
-    // The weight and bias gradients go straight into their buffers where those take them
-    // (gemm_epilogues.hpp grad_in_place), else into new tensors for AccumulateGrad.
-    bool in_place = false;
-    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
-      dw = grad_in_place(w);
-      db = grad_in_place(b);
-      in_place = dw.defined() && db.defined();
-      if (!in_place) {
-        dw = at::empty_like(w);
-        db = at::empty({3 * hl}, w.options());
-      }
-    }
+    at::Tensor dy;
+    // The weight and bias gradients: into their buffers in place, or new tensors for AccumulateGrad
+    // (gemm_epilogues.hpp weight_grad_target), a third of each by each GEMM.
+    WeightGradTarget t;
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) t = weight_grad_target(w, b);
     for (int i = 0; i < 3; ++i) {
       const auto dqi = g[i].transpose(1, 2).reshape({y2.size(0), hl});  // a view when dense
       const auto wi = w.narrow(0, i * hl, hl);
       if (ctx->needs_input_grad(0)) dy = i == 0 ? at::mm(dqi, wi) : dy.addmm_(dqi, wi);
-      if (dw.defined())
-        linear_weight_grads(dqi, y2, dw.narrow(0, i * hl, hl), db.narrow(0, i * hl, hl), in_place);
+      if (t.dw.defined())
+        linear_weight_grads(dqi, y2, t.dw.narrow(0, i * hl, hl), t.db.narrow(0, i * hl, hl), t.in_place);
     }
-    if (in_place) dw = db = at::Tensor();  // added already: nothing for AccumulateGrad
+    const auto [dw, db] = t.returned();
     // y was [B, S, h]; the core's gradients are [B, a, S, d].
     return {dy.defined() ? dy.view({g[0].size(0), g[0].size(2), w.size(1)}) : dy, dw, db, at::Tensor()};
   }

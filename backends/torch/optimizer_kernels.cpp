@@ -9,6 +9,7 @@
 #include "backends/torch/torch_compat.hpp"
 #if defined(DSSIM_HAVE_CUDA_KERNELS)
 #include "backends/torch/fused_adamw_cuda.hpp"
+#include "backends/torch/kernel_dtype.hpp"
 #endif
 
 namespace dssim::tb {
@@ -136,14 +137,12 @@ void fused_step_by_ops(at::Tensor& p, at::Tensor& g, at::Tensor& m, at::Tensor& 
 }
 
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
-cuda::DType kernel_dtype(const at::Tensor& t) {
-  if (!t.defined()) return cuda::DType::None;
-  switch (t.scalar_type()) {
-    case at::kFloat: return cuda::DType::F32;
-    case at::kBFloat16: return cuda::DType::BF16;
-    case at::kHalf: return cuda::DType::F16;
-    default: throw std::invalid_argument("fused_adamw_step: tensors must be fp32, bf16 or fp16");
-  }
+// kernel_dtype.hpp's tag; a defined tensor of another type is an error.
+cuda::DType step_dtype(const at::Tensor& t) {
+  const cuda::DType d = kernel_dtype(t);
+  if (t.defined() && d == cuda::DType::None)
+    throw std::invalid_argument("fused_adamw_step: tensors must be fp32, bf16 or fp16");
+  return d;
 }
 #endif
 
@@ -183,8 +182,8 @@ void fused_adamw_step(at::Tensor& p, at::Tensor g, at::Tensor& m, at::Tensor& v,
   if (p.is_cuda()) {
     cuda::FusedAdamWLaunch a;
     a.p = p.data_ptr<float>(), a.m = m.data_ptr<float>(), a.v = v.data_ptr<float>();
-    a.g = g.data_ptr(), a.grad_type = kernel_dtype(g);
-    if (out.defined()) a.out = out.data_ptr(), a.out_type = kernel_dtype(out);
+    a.g = g.data_ptr(), a.grad_type = step_dtype(g);
+    if (out.defined()) a.out = out.data_ptr(), a.out_type = step_dtype(out);
     a.n = n, a.step = step;
     a.lr = h.lr, a.beta1 = h.beta1, a.beta2 = h.beta2, a.eps = h.eps, a.weight_decay = h.weight_decay;
     a.pre = float(pre), a.coef = float(coef), a.clear_grad = clear_grad;
