@@ -1,6 +1,8 @@
 #include "backends/torch/engine_measure.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 #include <fstream>
 #include "backends/torch/torch_compat.hpp"
 
@@ -67,6 +69,21 @@ double InstructionMeter::peak_memory_bytes() const {
   const double cuda = cuda_peak_allocated_bytes(dev_);
   if (cuda >= 0) return std::max(cuda, peak_seen_);  // the timeline restarts the allocator's peak
   return host_peak_bytes();
+}
+
+void InstructionMeter::verify_bytes(const std::map<std::string, double>& moved,
+                                    const std::set<std::string>& unchecked, int rank) const {
+  std::map<std::string, double> all = expected;
+  for (const auto& [k, v] : moved) all.emplace(k, 0.0);
+  for (const auto& [k, want] : all) {
+    if (unchecked.count(k)) continue;
+    const auto it = moved.find(k);
+    const double have = it == moved.end() ? 0.0 : it->second;
+    if (std::abs(have - want) > 0.5)
+      throw std::runtime_error("Program/engine mismatch on rank " + std::to_string(rank) + ": " + k + " moved " +
+                               std::to_string(have) + " bytes over the measured steps, the Program says " +
+                               std::to_string(want));
+  }
 }
 
 }  // namespace dssim::tb

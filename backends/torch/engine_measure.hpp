@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 #include "backends/torch/engine.hpp"
@@ -50,6 +51,13 @@ class InstructionMeter {
   // The run's peak: the allocator's (with what the timeline restarted), or the host's high-water mark.
   double peak_memory_bytes() const;
   static double host_peak_bytes();
+
+  // Every rank's bytes per "op/purpose" over the measured steps (`moved`) are its Program's
+  // (`expected`; the report shows rank 0's): a difference on any rank throws, so a run that passes
+  // moved exactly what the Program says. Control traffic (purpose none) is not the Program's and is
+  // left out of `moved`; `unchecked` keys are sized at run time (MoE without token dropping).
+  void verify_bytes(const std::map<std::string, double>& moved, const std::set<std::string>& unchecked,
+                    int rank) const;
 
   std::map<std::string, double> inner_seconds;            // by instruction kind, running totals
   std::map<std::string, double> seconds_by_op, expected;  // over the measured steps
