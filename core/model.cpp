@@ -341,8 +341,14 @@ void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dro
     return nullptr;
   };
   double fused_bias_elements = 0;  // the bias gradients the wgrad epilogues sum
-  const auto set = [&](LayerOp* op, const char* forward, const char* dgrad, const char* wgrad) {
+  // Parameters whose gradients the wgrad GEMMs (beta 1) and the bias kernel add into the gradient
+  // buffer themselves (the engine's grad_in_place): no AccumulateGrad for them.
+  double in_place_params = 0;
+  // `weight_in_place`: the linear runs as the engine's autograd function (under TP the projection is
+  // ATen's linear, and the row-parallel biases are added after the reduction).
+  const auto set = [&](LayerOp* op, const char* forward, const char* dgrad, const char* wgrad, bool weight_in_place) {
     if (!op) return;
+    if (!op->frozen && weight_in_place) in_place_params += op->n * op->k + (*wgrad ? op->n : 0);
     // The forward's output [m x n] (GELU's input written, the residual read), the dgrad's output
     // [m x k] (GELU's input read by dgelu).
     const double out = op->m * op->n;
@@ -353,11 +359,11 @@ void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dro
   LayerOp* up = find("mlp_up");
   const bool dense_mlp = up && find("gelu") && !find("moe_combine");
   const bool residual = !tp && !dropout;
-  set(find("qkv"), "", "", "bgradb");
-  set(find("attention_proj"), residual ? "bias_residual" : "", "", tp ? "" : "bgradb");
+  set(find("qkv"), "", "", "bgradb", true);
+  set(find("attention_proj"), residual ? "bias_residual" : "", "", tp ? "" : "bgradb", !tp);
   if (dense_mlp) {
-    set(up, "gelu_aux_bias", "", "bgradb");
-    set(find("mlp_down"), residual ? "bias_residual" : "", "dgelu", tp ? "" : "bgradb");
+    set(up, "gelu_aux_bias", "", "bgradb", true);
+    set(find("mlp_down"), residual ? "bias_residual" : "", "dgelu", tp ? "" : "bgradb", true);
   }
   const LayerOp* proj = find("attention_proj");
   std::vector<LayerOp> out;
@@ -368,6 +374,12 @@ void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dro
       op.backward_only = true;  // the fork's gradient sum stays: memory_bytes are its backward bytes
       op.memory_bytes = op.backward_memory_bytes();
       op.backward_bytes = -1;
+    }
+    if (op.name == "grad_accumulate") {  // what is left for AccumulateGrad: norms, TP's late biases
+      const double params = op.flops - in_place_params;
+      if (params <= 1e-9 * op.flops) continue;
+      op.flops = params;
+      op.memory_bytes = 3 * e * params;
     }
     if (op.name == "bias_grads") {  // the biases no wgrad epilogue sums (1 FLOP and e bytes per element)
       const double elements = op.flops - fused_bias_elements;

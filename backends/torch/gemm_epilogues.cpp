@@ -303,7 +303,7 @@ bool gemm_bgradb(const at::Tensor&, const at::Tensor&, const at::Tensor&, const 
 
 namespace {
 std::atomic<bool>& wgrad_mode() {  // read from DSSIM_WGRAD once; set_wgrad_in_place overrides it
-  static std::atomic<bool> in_place{env_str("DSSIM_WGRAD", "bgradb") == "in_place"};
+  static std::atomic<bool> in_place{env_str("DSSIM_WGRAD", "in_place") != "bgradb"};
   return in_place;
 }
 }  // namespace

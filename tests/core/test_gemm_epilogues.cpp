@@ -148,6 +148,11 @@ TEST_CASE("gemm_epilogues op list: no gelu or bias_grads op, epilogues on the GE
   OpsCost fused_bwd = backward_cost(ops), plain_bwd = backward_cost(plain);
   CHECK(fused_bwd.kernels == plain_bwd.kernels - 2);  // no gelu backward, no bias_grads
   CHECK(sum_cost(ops).kernels == sum_cost(plain).kernels - 3);  // no gelu, no residual adds
+  // The four linears' weight and bias gradients are added into the gradient buffer by their wgrad
+  // GEMMs and the bias kernel (the engine's grad_in_place): AccumulateGrad is left the two norms.
+  CHECK(find(plain, "grad_accumulate")->memory_bytes == 3 * e * dense_layer_params(m));
+  CHECK(find(ops, "grad_accumulate")->memory_bytes == 3 * e * 2 * norm_params(m));
+  CHECK(find(ops, "grad_accumulate")->flops == 2 * norm_params(m));
 }
 
 TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE and LoRA", "[epilogues]") {
@@ -164,6 +169,11 @@ TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE an
   CHECK_FALSE(find(tp, "residual_1")->backward_only);  // the residual after the reduction: ATen's add
   REQUIRE(find(tp, "bias_grads"));
   CHECK(find(tp, "bias_grads")->memory_bytes == Approx(e * T * 2 * h));  // the row-parallel layers' biases
+  // In place under TP: qkv and mlp_up with their biases, mlp_down's weight (its bias follows the
+  // reduction); the projection is ATen's linear, so AccumulateGrad adds it.
+  const double t = 2;
+  CHECK(find(tp, "grad_accumulate")->flops ==
+        Approx(dense_layer_params(m) / t - (3 * h * h / t + 3 * h / t) - (4 * h * h / t + 4 * h / t) - 4 * h * h / t));
 
   ModelSpec drop = fused_gpt();
   drop.dropout = 0.1;
