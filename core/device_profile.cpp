@@ -222,7 +222,7 @@ const std::vector<std::string>& gemm_epilogues_of(GemmPass p) {
 }
 const std::vector<std::string> kAttentionKernels = {"flash", "plain", "flash_backward"};
 const std::vector<std::string> kElementwiseOps = {"add", "gelu", "layer_norm", "optimizer_step", "host_adamw",
-                                                  "layer_norm_backward", "gelu_backward", "bias_grad", "cross_entropy",
+                                                  "layer_norm_backward", "layer_norm_residual_backward", "gelu_backward", "bias_grad", "cross_entropy",
                                                   "cross_entropy_backward", "fused_cross_entropy", "embedding_backward", "attention_layout_copies",
                                                   "host_accumulate", "moe_routing", "moe_routing_backward", "moe_dispatch",
                                                   "moe_dispatch_backward", "moe_combine", "moe_combine_backward", "onebit_step",

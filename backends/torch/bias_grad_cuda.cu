@@ -18,18 +18,12 @@ namespace dssim::tb::cuda {
 namespace {
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kBytes = 16;  // one vector load per thread and row
-
-template <class T>
-struct alignas(kBytes) Vec {
-  T v[kBytes / sizeof(T)];
-};
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) column_partials(const T* __restrict__ x, float* __restrict__ partial,
                                                             int64_t rows, int64_t cols, int64_t ld,
                                                             int64_t rows_per_split) {
-  constexpr int V = kBytes / sizeof(T);
+  constexpr int V = Vec<T>::kSize;
   constexpr int kTile = 32 * V;  // columns of a block
   __shared__ float sums[kWarps][kTile];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -80,11 +74,9 @@ __global__ void column_finish(const float* __restrict__ partial, T* __restrict__
   out[c] = from_float<T>(s + p);
 }
 
-int element_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
-
 template <class T>
 void launch_typed(const ColumnSumLaunch& a, cudaStream_t stream) {
-  constexpr int V = kBytes / sizeof(T), kTile = 32 * V;
+  constexpr int V = Vec<T>::kSize, kTile = 32 * V;
   const int64_t rows_per_split = (a.rows + a.splits - 1) / a.splits;
   const dim3 grid(unsigned((a.cols + kTile - 1) / kTile), unsigned(a.splits));
   column_partials<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(a.x), a.partial, a.rows, a.cols, a.ld,
@@ -97,8 +89,8 @@ void launch_typed(const ColumnSumLaunch& a, cudaStream_t stream) {
 
 bool column_sum_supported(const void* x, int64_t cols, int64_t ld, DType type) {
   if (type == DType::None || cols <= 0) return false;
-  const int v = kBytes / element_bytes(type);
-  return cols % v == 0 && ld % v == 0 && reinterpret_cast<uintptr_t>(x) % kBytes == 0;
+  const int v = vec_size(type);
+  return cols % v == 0 && ld % v == 0 && reinterpret_cast<uintptr_t>(x) % kVecBytes == 0;
 }
 
 int column_sum_splits(int64_t rows, int64_t cols, int multiprocessors) {

@@ -10,6 +10,7 @@
 #include <vector>
 #include "backends/torch/calibrate_families.hpp"
 #include "backends/torch/fused_cross_entropy.hpp"
+#include "backends/torch/layer_norm_residual.hpp"
 #include "backends/torch/moe.hpp"
 #include "backends/torch/onebit_adam.hpp"
 #include "backends/torch/optimizer_kernels.hpp"
@@ -42,6 +43,8 @@ void measure_elementwise(const CalibrateOptions& o, const Grid& g, const at::Dev
 // (PyTorch ops on the device, back to back). `elementwise` rows of each calibrated dtype, bytes by
 // the simulator's conventions (e = the dtype's element size, N = T x width):
 //   layer_norm_backward     at::native_layer_norm_backward (dx, dgain, dbias) of x [T x h]  5 e N
+//   layer_norm_residual_backward  the same with the residual's gradient added to dx
+//                           (layer_norm_residual_backward: dssim's kernels on GPUs)       6 e N
 //   gelu_backward           at::gelu_backward(dy, x, "tanh") on [T x 4h]                    3 e N
 //   bias_grad               dy.sum(0) of dy [T x n], n in {h, 3h, 4h} (a linear's bias)      e T n
 //   cross_entropy           the engine's loss, cross_entropy_loss(logits.view(-1, V).to(fp32), targets),
@@ -92,6 +95,22 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
           const at::Tensor mean = std::get<1>(stats), rstd = std::get<2>(stats);
           record("layer_norm_backward", 5 * e * double(t) * h, timer.measure([&] {
             (void)at::native_layer_norm_backward(dy, x, shape, mean, rstd, gain, bias, std::array<bool, 3>{{true, true, true}});
+          }, budget));
+        }
+    });
+    // The block's norm with the residual's gradient added (layer_norm_residual.hpp): dssim's
+    // kernel pair on GPUs, ATen's backward and an add elsewhere; 6 e N (read dy, x, dres, write dx,
+    // dy and x again for the gain and bias).
+    family("layer_norm_residual_backward", [&] {
+      for (int64_t h : g.bwd_hidden)
+        for (int64_t t : g.bwd_tokens) {
+          const std::vector<int64_t> shape{h};
+          at::Tensor x = at::randn({t, h}, opts), dy = at::randn({t, h}, opts), dres = at::randn({t, h}, opts);
+          at::Tensor gain = at::ones({h}, opts), bias = at::zeros({h}, opts);
+          const auto stats = at::native_layer_norm(x, shape, gain, bias, 1e-5);
+          const at::Tensor mean = std::get<1>(stats), rstd = std::get<2>(stats);
+          record("layer_norm_residual_backward", 6 * e * double(t) * h, timer.measure([&] {
+            (void)layer_norm_residual_backward(dy, x, mean, rstd, gain, bias, dres);
           }, budget));
         }
     });

@@ -1,6 +1,7 @@
 // Conversions between the 16-bit types dssim's CUDA kernels read and write and the float they
-// compute in (round to nearest even), and the launchers' dispatch on a DType and error check,
-// shared by fused_adamw_cuda.cu, cross_entropy_cuda.cu and bias_grad_cuda.cu.
+// compute in (round to nearest even), the 16-byte vector the row kernels load, and the launchers'
+// dispatch on a DType and error check, shared by fused_adamw_cuda.cu, cross_entropy_cuda.cu,
+// bias_grad_cuda.cu and layer_norm_cuda.cu.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +21,15 @@ template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// One 16-byte load or store: 8 16-bit elements or 4 floats.
+constexpr int kVecBytes = 16;
+template <class T>
+struct alignas(kVecBytes) Vec {
+  static constexpr int kSize = kVecBytes / sizeof(T);
+  T v[kSize];
+};
+inline int vec_size(DType type) { return type == DType::F32 ? 4 : 8; }
 
 // Calls f with a value of type's element type (float, __nv_bfloat16, __half); DType::None throws
 // std::invalid_argument(`none`).

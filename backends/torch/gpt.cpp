@@ -7,6 +7,7 @@
 
 #include "backends/torch/fused_cross_entropy.hpp"
 #include "backends/torch/gemm_epilogues.hpp"
+#include "backends/torch/layer_norm_residual.hpp"
 #include "backends/torch/torch_compat.hpp"
 
 namespace dssim::tb {
@@ -384,11 +385,15 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
   const int64_t h = c.hidden, a = c.heads / c.tp, d = c.hidden / c.heads, hl = a * d;
   if (!tp.active()) {
     const int64_t B = x.size(0), S = x.size(1);
-    auto y = layer_norm(x, h, v[0], v[1]);
     // LoRA adapters (lora.hpp) follow the block's 12 tensors.
     // Without an adapter the linears and the MLP run with their bias, GELU and bias gradients in
-    // the GEMMs where they can (gemm_epilogues.hpp).
+    // the GEMMs where they can (gemm_epilogues.hpp), and each norm's backward adds the gradient of
+    // the residual that forks with it (layer_norm_residual.hpp).
     const auto adapted = [&](LoraTarget t) { return c.ft.lora && c.ft.adapter_index(t) >= 0; };
+    const auto norm = [&](const at::Tensor& in, int w) {
+      return c.ft.lora ? NormResidual{layer_norm(in, h, v[w], v[w + 1]), in} : layer_norm_residual(in, v[w], v[w + 1]);
+    };
+    const auto [y, xr] = norm(x, 0);
     const auto lin = [&](LoraTarget t, const at::Tensor& in, int w) {
       if (!adapted(t)) return biased_linear(in, v[w], v[w + 1]);
       return lora_add(c, v, 12, t, in, at::linear(in, v[w], v[w + 1]));
@@ -396,15 +401,15 @@ at::Tensor block_forward(const GptConfig& c, TensorParallel& tp, const std::vect
     auto core = adapted(LoraTarget::qkv) ? qkv_attention(lin(LoraTarget::qkv, y, 2), a, recompute_attention)
                                          : qkv_projection_attention(y, v[2], v[3], a, recompute_attention);
     auto att = core.transpose(1, 2).reshape({B, S, h});
-    auto x1 = adapted(LoraTarget::o) ? x + lin(LoraTarget::o, att, 4) : biased_linear(att, v[4], v[5], x);
-    auto y2 = layer_norm(x1, h, v[6], v[7]);
+    auto x1 = adapted(LoraTarget::o) ? xr + lin(LoraTarget::o, att, 4) : biased_linear(att, v[4], v[5], xr);
+    const auto [y2, x1r] = norm(x1, 6);
     if (moe) {
       for (auto& e : moe->experts) e = compute_view(e);
-      return x1 + moe_mlp_forward(*moe, v[8], y2);
+      return x1r + moe_mlp_forward(*moe, v[8], y2);
     }
-    if (!adapted(LoraTarget::mlp_up) && !adapted(LoraTarget::mlp_down)) return mlp(y2, v[8], v[9], v[10], v[11], x1);
+    if (!adapted(LoraTarget::mlp_up) && !adapted(LoraTarget::mlp_down)) return mlp(y2, v[8], v[9], v[10], v[11], x1r);
     auto m = at::gelu(lin(LoraTarget::mlp_up, y2, 8), "tanh");
-    return x1 + lin(LoraTarget::mlp_down, m, 10);
+    return x1r + lin(LoraTarget::mlp_down, m, 10);
   }
   // Megatron: column-parallel QKV and MLP-up after f (or the sequence all-gather), row-parallel
   // projection and MLP-down before g (or the sequence reduce-scatter), biases of the row-parallel
