@@ -569,7 +569,7 @@ TEST_CASE("backward-kernel ops never fall back to add's rows, unknown ops and ke
 
   // Unknown names are errors naming the key and the allowed values.
   CHECK_THAT(config_error([] { parse_device_profile(with_line("op: layer_norm, dtype: bf16, bytes: 1.0e9", "op: layer_norm_bwd, dtype: bf16, bytes: 1.0e9"), "h.yaml"); }),
-             Contains("h.yaml: elementwise[3].op") && Contains("layer_norm_backward, gelu_backward, bias_grad, cross_entropy, "
+             Contains("h.yaml: elementwise[3].op") && Contains("layer_norm_backward, layer_norm_residual_backward, gelu_backward, bias_grad, cross_entropy, "
                                                               "cross_entropy_backward, fused_cross_entropy, embedding_backward") &&
                  Contains("got 'layer_norm_bwd'"));
   CHECK_THAT(config_error([] { parse_device_profile(with_line("kernel: flash, dtype: bf16, batch_heads: 32, seq_len: 4096", "kernel: flash_bwd, dtype: bf16, batch_heads: 32, seq_len: 4096"), "h.yaml"); }),
