@@ -90,19 +90,9 @@ if [[ -n $LAYERS ]]; then
   DIMS="--layers $LAYERS ${DIMS#--layers * }"
   SHAPE="$SHAPE with $LAYERS layers"
 fi
-# The scenario names the card it runs on (its preset's GPU gives the MFU's peak).
-CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true
-[[ -n $CARD ]] || { echo "gpu_bench.sh: nvidia-smi finds no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
-case "$CARD" in
-  *H100*) CLUSTER=dgx-h100-ndr CARD_TAG=h100 ;;
-  *H200*) CLUSTER=hgx-h200-ndr CARD_TAG=h200 ;;
-  *A100*40GB*) CLUSTER=dgx-a100-40gb-hdr CARD_TAG=a100 ;;
-  *A100*) CLUSTER=dgx-a100-hdr CARD_TAG=a100 ;;
-  *) echo "gpu_bench.sh: no cluster preset in scenarios/clusters/ for the card '$CARD' (its peak gives the MFU column);" \
-          "add one and a case here" >&2
-     exit 2 ;;
-esac
 source "$ROOT/scripts/gpu_common.sh"
+# The scenario names the card it runs on (its preset's GPU gives the MFU's peak).
+gpu_card || { echo "gpu_bench.sh: stopped" >&2; exit 2; }
 rm -f "$OUT/summary.txt"
 gpu_build dssim_torch_run
 
@@ -131,27 +121,7 @@ MB=${CFG%x*} GA=${CFG#*x}
 TAG="mb${MB}_ga${GA}"
 for LOSS in $LOSSES; do
 SCEN="$BUILD/${PRESET}_${CARD_TAG}_zero${STAGE}_${TAG}_$LOSS.yaml"
-cat > "$SCEN" <<EOF
-# $SHAPE on one $CARD, bf16, ZeRO-$STAGE (scripts/gpu_bench.sh).
-name: ${PRESET}_${CARD_TAG}_zero${STAGE}
-model:
-  preset: $PRESET${LAYERS:+
-  layers: $LAYERS}
-  cross_entropy: $LOSS
-training:
-  global_batch: $((MB * GA))
-  micro_batch: $MB
-  seed: 1234
-parallel: {tp: 1, pp: 1, dp: 1}
-zero:
-  stage: $STAGE
-precision: bf16
-optimizer: {type: adamw, lr: 1e-4}
-cluster:
-  preset: $CLUSTER
-  nodes: 1
-  gpus_per_node: 1
-EOF
+gpu_scenario "$PRESET" "$STAGE" "$MB" "$GA" "$LOSS" "$CLUSTER" "$LAYERS" > "$SCEN"
 
 RUN="${TAG}_${LOSS}"
 echo "== dssim run (torch backend, C++), model.cross_entropy: $LOSS"

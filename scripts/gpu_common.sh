@@ -2,6 +2,8 @@
 # the environment and the build, once. Expects ROOT; sets OUT, BUILD, DEPS.
 #   gpu_build TARGET...   configures (simulator off, CUDA + NCCL on, pip torch's libtorch) and builds
 #   (DSSIM_GPU_TESTS=ON configures the test programs too, e.g. dssim_gemm_epilogues_tests)
+#   gpu_card              sets CARD (nvidia-smi's name), CLUSTER (its preset) and CARD_TAG (h100, ...)
+#   gpu_scenario ...      writes the benchmarks' one-GPU GPT scenario (gpu_bench.sh, gpu_ab.sh)
 OUT=${OUT:-$ROOT/build-gpu/out}
 BUILD=${DSSIM_GPU_BUILD:-/tmp/dssim-build-gpu}
 DEPS=${DSSIM_DEPS:-$ROOT/.deps}
@@ -29,4 +31,46 @@ gpu_build() {
   cmake --build "$BUILD" --target "$@" -j"$(nproc)" > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; return 1; }
   echo "built $* in $(( $(date +%s) - t0 )) s"
+}
+
+gpu_card() {
+  CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true
+  [[ -n $CARD ]] || { echo "nvidia-smi finds no GPU here; run it on a machine with an NVIDIA GPU" >&2; return 1; }
+  case "$CARD" in
+    *H100*) CLUSTER=dgx-h100-ndr CARD_TAG=h100 ;;
+    *H200*) CLUSTER=hgx-h200-ndr CARD_TAG=h200 ;;
+    *A100*40GB*) CLUSTER=dgx-a100-40gb-hdr CARD_TAG=a100 ;;
+    *A100*) CLUSTER=dgx-a100-hdr CARD_TAG=a100 ;;
+    *) echo "no cluster preset in scenarios/clusters/ for the card '$CARD' (its peak gives the MFU column);" \
+            "add one and a case in scripts/gpu_common.sh gpu_card" >&2
+       return 1 ;;
+  esac
+}
+
+# gpu_scenario PRESET STAGE MB GA LOSS CLUSTER [LAYERS] > FILE: the model preset (LAYERS: its width
+# with that many layers) on one GPU of CLUSTER, bf16, ZeRO-STAGE, micro-batch MB, accumulation GA,
+# model.cross_entropy LOSS, seed 1234.
+gpu_scenario() {
+  local preset=$1 stage=$2 mb=$3 ga=$4 loss=$5 cluster=$6 layers=${7:-}
+  cat <<EOF
+# $preset${layers:+ with $layers layers} on one GPU, bf16, ZeRO-$stage (scripts/gpu_common.sh gpu_scenario).
+name: ${preset}_zero${stage}
+model:
+  preset: $preset${layers:+
+  layers: $layers}
+  cross_entropy: $loss
+training:
+  global_batch: $((mb * ga))
+  micro_batch: $mb
+  seed: 1234
+parallel: {tp: 1, pp: 1, dp: 1}
+zero:
+  stage: $stage
+precision: bf16
+optimizer: {type: adamw, lr: 1e-4}
+cluster:
+  preset: $cluster
+  nodes: 1
+  gpus_per_node: 1
+EOF
 }
