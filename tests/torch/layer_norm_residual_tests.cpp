@@ -26,6 +26,7 @@ struct Grads {
 // backward of out's sum. `fused` picks the mode.
 Grads run(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& u, const at::Tensor& v,
           bool fused, bool use_norm = true, bool use_residual = true) {
+  const bool was = norm_residual_fused();
   set_norm_residual_fused(fused);
   auto x = x0.detach().clone().requires_grad_(true), w = w0.detach().clone().requires_grad_(true),
        b = b0.detach().clone().requires_grad_(true);
@@ -34,7 +35,7 @@ Grads run(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, cons
   if (use_norm) out = nr.y * u;
   if (use_residual) out = out.defined() ? out + nr.residual * v : nr.residual * v;
   out.sum().backward();
-  set_norm_residual_fused(false);
+  set_norm_residual_fused(was);
   return {nr.y.detach(), x.grad(), w.grad(), b.grad()};
 }
 }  // namespace
@@ -56,6 +57,7 @@ TEST_CASE("LayerNorm with the residual's gradient: ATen's expressions on the hos
     REQUIRE_FALSE(norm_residual_ran_kernel());
   }
   // Without a gradient wanted the function is not used: x itself comes back.
+  const bool was = norm_residual_fused();
   set_norm_residual_fused(true);
   {
     at::NoGradGuard no_grad;
@@ -63,7 +65,7 @@ TEST_CASE("LayerNorm with the residual's gradient: ATen's expressions on the hos
     REQUIRE(nr.residual.data_ptr() == x.data_ptr());
     REQUIRE(at::equal(nr.y, at::layer_norm(x, {h}, w, b, 1e-5)));
   }
-  set_norm_residual_fused(false);
+  set_norm_residual_fused(was);
 }
 
 TEST_CASE("LayerNorm with the residual's gradient: the gain and bias added into preset buffers", "[norm]") {
@@ -72,6 +74,7 @@ TEST_CASE("LayerNorm with the residual's gradient: the gain and bias added into 
   const auto x0 = at::randn({5, h}), w0 = 1 + 0.1 * at::randn({h}), b0 = 0.1 * at::randn({h});
   const auto u = at::randn({5, h}), v = at::randn({5, h});
   const Grads ref = run(x0, w0, b0, u, v, false);
+  const bool was = norm_residual_fused();
   set_norm_residual_fused(true);
   auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
   const auto start_w = at::randn({h}), start_b = at::randn({h});
@@ -81,7 +84,7 @@ TEST_CASE("LayerNorm with the residual's gradient: the gain and bias added into 
   void* bbuf = b.grad().data_ptr();
   const auto nr = layer_norm_residual(x, w, b);
   (nr.y * u + nr.residual * v).sum().backward();
-  set_norm_residual_fused(false);
+  set_norm_residual_fused(was);
   REQUIRE(w.grad().data_ptr() == wbuf);  // the same buffers, added into
   REQUIRE(b.grad().data_ptr() == bbuf);
   CHECK(max_rel(w.grad(), ref.dw + start_w) < 1e-6);
@@ -162,6 +165,7 @@ TEST_CASE("LayerNorm with the residual's gradient on a GPU: two norms against au
              w2 = (1 + 0.1 * at::randn({h}, o)).to(type), b1 = (0.1 * at::randn({h}, o)).to(type),
              b2 = (0.1 * at::randn({h}, o)).to(type), up = at::randn({2, 64, h}, o).to(type);
   std::vector<at::Tensor> grads[2];
+  const bool was = norm_residual_fused();
   for (bool fused : {true, false}) {
     set_norm_residual_fused(fused);
     std::vector<at::Tensor> p{x0.clone(), w1.clone(), b1.clone(), w2.clone(), b2.clone()};
@@ -173,7 +177,7 @@ TEST_CASE("LayerNorm with the residual's gradient on a GPU: two norms against au
     if (fused) REQUIRE(norm_residual_ran_kernel());
     for (auto& t : p) grads[fused].push_back(t.grad());
   }
-  set_norm_residual_fused(false);
+  set_norm_residual_fused(was);
   for (size_t i = 0; i < grads[0].size(); ++i) {
     INFO("input " << i);
     CHECK(max_rel(grads[1][i], grads[0][i]) < 2e-2);
