@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts that build dssim on a GPU machine (gpu_bench.sh, gpu_validate.sh):
 # the environment and the build, once. Expects ROOT; sets OUT, BUILD, DEPS.
 #   gpu_build TARGET...   configures (simulator off, CUDA + NCCL on, pip torch's libtorch) and builds
@@ -33,6 +34,7 @@ gpu_build() {
   echo "built $* in $(( $(date +%s) - t0 )) s"
 }
 
+# shellcheck disable=SC2034  # CARD, CLUSTER and CARD_TAG are the caller's
 gpu_card() {
   CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true
   [[ -n $CARD ]] || { echo "nvidia-smi finds no GPU here; run it on a machine with an NVIDIA GPU" >&2; return 1; }
