@@ -2,6 +2,7 @@
 // pass's other kernels, MoE routing / dispatch / combine, and the engine's optimizer step.
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -85,34 +86,38 @@ void measure_backward_kernels(const CalibrateOptions& o, const Grid& g, const at
       }
     };
 
-    family("layer_norm_backward", [&] {
+    // The norm's backward inputs at each backward shape [t x h]: x, dy and the residual's gradient,
+    // gain and bias, the forward's mean and rstd; `time` measures a kernel on them (N = t h).
+    struct NormInputs {
+      std::vector<int64_t> shape;
+      at::Tensor x, dy, dres, gain, bias, mean, rstd;
+    };
+    const auto each_norm_shape = [&](const std::function<void(double, const NormInputs&)>& time) {
       for (int64_t h : g.bwd_hidden)
         for (int64_t t : g.bwd_tokens) {
-          const std::vector<int64_t> shape{h};
-          at::Tensor x = at::randn({t, h}, opts), dy = at::randn({t, h}, opts);
-          at::Tensor gain = at::ones({h}, opts), bias = at::zeros({h}, opts);
-          const auto stats = at::native_layer_norm(x, shape, gain, bias, 1e-5);
-          const at::Tensor mean = std::get<1>(stats), rstd = std::get<2>(stats);
-          record("layer_norm_backward", 5 * e * double(t) * h, timer.measure([&] {
-            (void)at::native_layer_norm_backward(dy, x, shape, mean, rstd, gain, bias, std::array<bool, 3>{{true, true, true}});
-          }, budget));
+          NormInputs in{{h}, at::randn({t, h}, opts), at::randn({t, h}, opts), at::randn({t, h}, opts),
+                        at::ones({h}, opts), at::zeros({h}, opts), {}, {}};
+          std::tie(std::ignore, in.mean, in.rstd) = at::native_layer_norm(in.x, in.shape, in.gain, in.bias, 1e-5);
+          time(double(t) * h, in);
         }
+    };
+    family("layer_norm_backward", [&] {
+      each_norm_shape([&](double n, const NormInputs& in) {
+        record("layer_norm_backward", 5 * e * n, timer.measure([&] {
+          (void)at::native_layer_norm_backward(in.dy, in.x, in.shape, in.mean, in.rstd, in.gain, in.bias,
+                                               std::array<bool, 3>{{true, true, true}});
+        }, budget));
+      });
     });
     // The block's norm with the residual's gradient added (layer_norm_residual.hpp): dssim's
     // kernel pair on GPUs, ATen's backward and an add elsewhere; 6 e N (read dy, x, dres, write dx,
     // dy and x again for the gain and bias).
     family("layer_norm_residual_backward", [&] {
-      for (int64_t h : g.bwd_hidden)
-        for (int64_t t : g.bwd_tokens) {
-          const std::vector<int64_t> shape{h};
-          at::Tensor x = at::randn({t, h}, opts), dy = at::randn({t, h}, opts), dres = at::randn({t, h}, opts);
-          at::Tensor gain = at::ones({h}, opts), bias = at::zeros({h}, opts);
-          const auto stats = at::native_layer_norm(x, shape, gain, bias, 1e-5);
-          const at::Tensor mean = std::get<1>(stats), rstd = std::get<2>(stats);
-          record("layer_norm_residual_backward", 6 * e * double(t) * h, timer.measure([&] {
-            (void)layer_norm_residual_backward(dy, x, mean, rstd, gain, bias, dres);
-          }, budget));
-        }
+      each_norm_shape([&](double n, const NormInputs& in) {
+        record("layer_norm_residual_backward", 6 * e * n, timer.measure([&] {
+          (void)layer_norm_residual_backward(in.dy, in.x, in.mean, in.rstd, in.gain, in.bias, in.dres);
+        }, budget));
+      });
     });
     family("gelu_backward", [&] {
       for (int64_t h : g.bwd_hidden)

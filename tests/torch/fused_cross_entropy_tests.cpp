@@ -4,16 +4,14 @@
 
 #include "backends/torch/fused_cross_entropy.hpp"
 #include "core/model.hpp"
+#include "tests/torch/tensor_compare.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::max_rel;
 
 namespace {
-double max_rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / b.to(at::kDouble).abs().max().item<double>();
-}
-
 struct Case {
   at::Tensor loss, gy, gw;
 };

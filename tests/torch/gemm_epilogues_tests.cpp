@@ -8,17 +8,14 @@
 #include <vector>
 #include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/gpt.hpp"
+#include "tests/torch/tensor_compare.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::max_rel;
 
 namespace {
-double max_rel(const at::Tensor& a, const at::Tensor& ref) {
-  return (a.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
-         ref.to(at::kDouble).abs().max().item<double>();
-}
-
 struct Run {
   std::vector<at::Tensor> values;  // output, then the gradient of every input that has one
 };

@@ -6,17 +6,14 @@
 #include <tuple>
 #include <vector>
 #include "backends/torch/layer_norm_residual.hpp"
+#include "tests/torch/tensor_compare.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::max_rel;
 
 namespace {
-double max_rel(const at::Tensor& a, const at::Tensor& ref) {
-  return (a.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
-         ref.to(at::kDouble).abs().max().item<double>();
-}
-
 struct Grads {
   at::Tensor y, dx, dw, db;
 };
