@@ -37,6 +37,9 @@ for p in "${PROGRAMS[@]}"; do
     echo "FAIL $p"; tail -40 "$OUT/tests_$p.txt"; failed=1
   fi
   # A GPU case that skipped (no CUDA device or no kernel in the build) says so: shown, not hidden.
-  grep -h "is skipped" "$OUT/tests_$p.txt" | sed "s/^ */  $p: /" || true
+  # Catch wraps a warning over lines: each warning joined into one line first.
+  awk -v p="$p" '/ warning:$/ {w = ""; on = 1; next}
+                 on && NF == 0 {if (w ~ /is skipped/) print "  " p ":" w; on = 0; next}
+                 on {sub(/^ +/, ""); w = w " " $0}' "$OUT/tests_$p.txt"
 done
 exit $failed

@@ -4,11 +4,12 @@
 
 #include "backends/torch/fused_cross_entropy.hpp"
 #include "core/model.hpp"
-#include "tests/torch/tensor_compare.hpp"
+#include "tests/torch/kernel_test.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::gpu_or_skip;
 using dssim::tb::test::max_rel;
 
 namespace {
@@ -78,10 +79,7 @@ TEST_CASE("fused cross-entropy chunks: fp32 probabilities of one chunk within 1 
 // against log_softmax in double on the same logits, for each logits type, rows of a length that
 // takes the 16-byte loads (1024) and one that does not (1000). Skipped, with a warning, without a GPU.
 TEST_CASE("cross-entropy chunk on a GPU: the CUDA kernel against log_softmax in double", "[fused_ce]") {
-  if (!torch::cuda::is_available()) {
-    WARN("no CUDA device: the cross-entropy kernel's GPU test is skipped");
-    return;
-  }
+  if (!gpu_or_skip("the cross-entropy kernel")) return;
   torch::manual_seed(9);
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   double worst_loss = 0, worst_grad = 0;

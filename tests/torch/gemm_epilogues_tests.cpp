@@ -8,12 +8,21 @@
 #include <vector>
 #include "backends/torch/gemm_epilogues.hpp"
 #include "backends/torch/gpt.hpp"
-#include "tests/torch/tensor_compare.hpp"
+#include "tests/torch/kernel_test.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::gpu_or_skip;
 using dssim::tb::test::max_rel;
+
+namespace {
+// Whether this build's cuBLASLt path takes a bf16 GEMM on the GPU (asked with a device only).
+bool cublaslt_built() {
+  const auto o = at::TensorOptions().device(at::kCUDA, 0).dtype(at::kBFloat16);
+  return gemm_epilogues_apply(at::zeros({8, 8}, o), at::zeros({8, 8}, o));
+}
+}  // namespace
 
 namespace {
 struct Run {
@@ -78,12 +87,8 @@ TEST_CASE("block MLP and biased linear: ATen's expressions where not fused", "[e
 }
 
 TEST_CASE("block MLP and biased linear on a GPU: cuBLASLt epilogues against fp32", "[epilogues]") {
+  if (!gpu_or_skip("the fused epilogues", "cuBLASLt", cublaslt_built)) return;
   const at::Device gpu(at::kCUDA, 0);
-  if (!torch::cuda::is_available() || !gemm_epilogues_apply(at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)),
-                                                             at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)))) {
-    WARN("no CUDA device or no cuBLASLt in this build: the fused epilogues' GPU test is skipped");
-    return;
-  }
   torch::manual_seed(12);
   double worst_fused = 0, worst_aten = 0;
   for (auto type : {at::kBFloat16, at::kHalf})
@@ -187,13 +192,8 @@ TEST_CASE("bias gradient: the sum of dy's rows, written or added, on the host an
 // buffers (the engine's views into its flat buffers) where they take them (grad_in_place), over two
 // micro-batches, as AccumulateGrad would: against the same block with no preset buffers.
 TEST_CASE("block weight gradients added into preset gradient buffers in place", "[epilogues]") {
+  if (!gpu_or_skip("the in-place weight gradients", "cuBLASLt", cublaslt_built)) return;
   const at::Device gpu(at::kCUDA, 0);
-  if (!torch::cuda::is_available() ||
-      !gemm_epilogues_apply(at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)),
-                            at::zeros({8, 8}, at::TensorOptions().device(gpu).dtype(at::kBFloat16)))) {
-    WARN("no CUDA device or no cuBLASLt in this build: the in-place weight gradients' GPU test is skipped");
-    return;
-  }
   torch::manual_seed(15);
   const auto type = at::kBFloat16;
   // In place, and DSSIM_WGRAD=bgradb's temporaries added by AccumulateGrad: the same values.

@@ -6,11 +6,12 @@
 #include <tuple>
 #include <vector>
 #include "backends/torch/layer_norm_residual.hpp"
-#include "tests/torch/tensor_compare.hpp"
+#include "tests/torch/kernel_test.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::gpu_or_skip;
 using dssim::tb::test::max_rel;
 
 namespace {
@@ -93,10 +94,7 @@ TEST_CASE("LayerNorm with the residual's gradient: the gain and bias added into 
 // in double from the same saved statistics, for each register tile the launcher picks, and the
 // shapes it hands to ATen.
 TEST_CASE("LayerNorm backward kernels on a GPU against double", "[norm]") {
-  if (!torch::cuda::is_available()) {
-    WARN("no CUDA device: the LayerNorm kernels' GPU test is skipped");
-    return;
-  }
+  if (!gpu_or_skip("the LayerNorm kernels")) return;
   torch::manual_seed(5);
   const at::Device gpu(at::kCUDA, 0);
   const auto f32 = at::TensorOptions().device(gpu);
@@ -149,10 +147,7 @@ TEST_CASE("LayerNorm backward kernels on a GPU against double", "[norm]") {
 // The function in a graph on a GPU: fused against the engine before, through a residual that a
 // second norm forks from, as the block does (x -> norm_1, x1 = x + f(y1) -> norm_2, out).
 TEST_CASE("LayerNorm with the residual's gradient on a GPU: two norms against autograd's fork", "[norm]") {
-  if (!torch::cuda::is_available()) {
-    WARN("no CUDA device: the LayerNorm function's GPU test is skipped");
-    return;
-  }
+  if (!gpu_or_skip("the LayerNorm function")) return;
   torch::manual_seed(6);
   const at::Device gpu(at::kCUDA, 0);
   const auto o = at::TensorOptions().device(gpu);

@@ -7,10 +7,12 @@
 #include "backends/torch/optimizer_kernels.hpp"
 #include "core/optimizer_step.hpp"
 #include "tests/torch/allocation_peak.hpp"
+#include "tests/torch/kernel_test.hpp"
 // After libtorch: its glog defines a CHECK of its own; Catch's REQUIRE is used throughout.
 #include <catch2/catch.hpp>
 
 using namespace dssim::tb;
+using dssim::tb::test::gpu_or_skip;
 
 namespace {
 // Largest difference relative to the reference's largest magnitude.
@@ -146,10 +148,7 @@ TEST_CASE("fused step on the host: 16-bit or fp32 gradients read in place, the c
 // The CUDA kernel (fused_adamw_cuda.cu) against libtorch's ops on the GPU (_fused_adamw_ on an fp32
 // copy of the gradient): skipped, with a warning, without a GPU or without the kernel in the build.
 TEST_CASE("fused step on a GPU: the CUDA kernel against libtorch's ops", "[optimizer]") {
-  if (!torch::cuda::is_available() || !fused_step_kernel_available()) {
-    WARN("no CUDA device or no CUDA kernel in this build: the fused step's GPU test is skipped");
-    return;
-  }
+  if (!gpu_or_skip("the fused step", "CUDA kernel", fused_step_kernel_available)) return;
   const at::Device gpu(at::kCUDA, 0);
   double worst = 0;
   for (auto gt : {at::kBFloat16, at::kHalf, at::kFloat})
