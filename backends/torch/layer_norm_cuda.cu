@@ -192,14 +192,19 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVecBytes 
 bool layer_norm_backward_supported(const LayerNormBackwardLaunch& a) {
   if (a.type == DType::None || a.rows <= 0 || a.cols <= 0 || a.splits < 1) return false;
   if (a.cols % vec_size(a.type) != 0 || chunks_of(a) > kMaxChunks) return false;
-  for (const void* p : {a.dy, a.x, a.gamma, static_cast<const void*>(a.dx), static_cast<const void*>(a.dgamma)})
+  for (const void* p : {a.dy, a.x, a.gamma})
     if (!p || !aligned(p)) return false;
-  if ((a.dres && !aligned(a.dres)) || (a.dbeta && !aligned(a.dbeta)) || !a.mean || !a.rstd) return false;
-  return true;
+  // The outputs: null (still to be allocated) or aligned.
+  for (const void* p : {a.dres, static_cast<const void*>(a.dx), static_cast<const void*>(a.dgamma),
+                        static_cast<const void*>(a.dbeta)})
+    if (p && !aligned(p)) return false;
+  return a.mean && a.rstd;
 }
 
 void launch_layer_norm_backward(const LayerNormBackwardLaunch& a, void* stream_ptr) {
-  if (!a.partial) throw std::invalid_argument("launch_layer_norm_backward: no workspace");
+  if (!a.partial || !a.dx || !a.dgamma) throw std::invalid_argument("launch_layer_norm_backward: no workspace or output");
+  if (!aligned(a.dx) || !aligned(a.dgamma) || (a.dbeta && !aligned(a.dbeta)))
+    throw std::invalid_argument("launch_layer_norm_backward: an output is not 16-byte aligned");
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   by_type(a.type, "launch_layer_norm_backward: no type", [&](auto t) { launch_typed<decltype(t)>(a, stream); });
   check_launch("LayerNorm backward kernels");

@@ -40,7 +40,9 @@ struct LayerNormBackwardLaunch {
 
 // Whether the kernels take this shape and these pointers: contiguous rows of cols elements, cols a
 // multiple of 16 bytes' worth and at most 1,024 16-byte vectors a row (bf16 / fp16: h <= 8192,
-// fp32: h <= 4096), every tensor 16-byte aligned. Otherwise the caller runs ATen's backward and an add.
+// fp32: h <= 4096), every tensor 16-byte aligned. Outputs may still be null here (the caller allocates
+// them once the kernels take the inputs; the caching allocator aligns to 512 bytes); the launch
+// requires them. Otherwise the caller runs ATen's backward and an add.
 bool layer_norm_backward_supported(const LayerNormBackwardLaunch& a);
 // Queues both kernels (and the column sums' finish) on `stream` (a cudaStream_t); throws on a launch
 // error.

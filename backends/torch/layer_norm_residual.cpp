@@ -4,6 +4,7 @@
 
 #include <array>
 #include <atomic>
+#include <optional>
 #include <vector>
 #include "backends/torch/env.hpp"
 #include "backends/torch/gemm_epilogues.hpp"
@@ -51,40 +52,46 @@ struct LayerNormResidualFunction : public torch::autograd::Function<LayerNormRes
 };
 
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
-// dssim's kernel pair where the layout allows: every tensor on the GPU, contiguous, one type.
-bool run_kernels(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
-                 const at::Tensor& w, const at::Tensor& b, const at::Tensor& dres, const at::Tensor& dx,
-                 const at::Tensor& dw, const at::Tensor& db, bool accumulate) {
+// dssim's kernel pair where the layout allows: every tensor on the GPU, contiguous, one type. The
+// launch's shape and inputs, or nothing when the kernels do not take these tensors (asked before any
+// output is allocated, so a refusal costs no allocation).
+std::optional<cuda::LayerNormBackwardLaunch> kernel_launch(const at::Tensor& dy, const at::Tensor& x,
+                                                           const at::Tensor& mean, const at::Tensor& rstd,
+                                                           const at::Tensor& w, const at::Tensor& b,
+                                                           const at::Tensor& dres, const at::Tensor& dw_into,
+                                                           const at::Tensor& db_into, bool accumulate) {
   const auto type = kernel_dtype(x);
-  if (!x.is_cuda() || type == cuda::DType::None || !b.defined()) return false;
-  for (const at::Tensor* t : {&dy, &x, &w, &b, &dx, &dw, &db})
-    if (t->scalar_type() != x.scalar_type() || !t->is_contiguous()) return false;
+  if (!x.is_cuda() || type == cuda::DType::None || !b.defined() || !x.is_contiguous()) return std::nullopt;
+  for (const at::Tensor* t : {&dy, &w, &b})
+    if (t->scalar_type() != x.scalar_type() || !t->is_contiguous()) return std::nullopt;
+  if (accumulate)
+    for (const at::Tensor* t : {&dw_into, &db_into})
+      if (t->scalar_type() != x.scalar_type() || !t->is_contiguous()) return std::nullopt;
   if (dres.defined() && (dres.scalar_type() != x.scalar_type() || !dres.is_contiguous() || dres.sizes() != x.sizes()))
-    return false;
+    return std::nullopt;
   if (dy.sizes() != x.sizes() || mean.scalar_type() != at::kFloat || rstd.scalar_type() != at::kFloat ||
       !mean.is_contiguous() || !rstd.is_contiguous())
-    return false;
+    return std::nullopt;
   cuda::LayerNormBackwardLaunch a;
   a.cols = x.size(-1);
   a.rows = a.cols > 0 ? x.numel() / a.cols : 0;
-  if (mean.numel() != a.rows || rstd.numel() != a.rows || w.numel() != a.cols || b.numel() != a.cols) return false;
+  if (mean.numel() != a.rows || rstd.numel() != a.rows || w.numel() != a.cols || b.numel() != a.cols)
+    return std::nullopt;
   a.dy = dy.data_ptr();
   a.x = x.data_ptr();
   a.mean = mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
   a.gamma = w.data_ptr();
   a.dres = dres.defined() ? dres.data_ptr() : nullptr;
-  a.dx = dx.data_ptr();
-  a.dgamma = dw.data_ptr();
-  a.dbeta = db.data_ptr();
+  if (accumulate) {  // the parameters' gradient buffers, whose alignment is the flat buffer's
+    a.dgamma = dw_into.data_ptr();
+    a.dbeta = db_into.data_ptr();
+  }
   a.type = type;
   a.accumulate = accumulate;
   a.splits = cuda::column_sum_splits(a.rows, a.cols, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  if (!cuda::layer_norm_backward_supported(a)) return false;
-  const auto partial = at::empty({2 * int64_t(a.splits) * a.cols}, x.options().dtype(at::kFloat));
-  a.partial = partial.data_ptr<float>();
-  cuda::launch_layer_norm_backward(a, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-  return true;
+  if (!cuda::layer_norm_backward_supported(a)) return std::nullopt;
+  return a;
 }
 #endif
 
@@ -112,15 +119,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_backward(
     const at::Tensor& b, const at::Tensor& dres, const at::Tensor& dw_into, const at::Tensor& db_into) {
   const bool accumulate = dw_into.defined() && (!b.defined() || db_into.defined());
 #if defined(DSSIM_HAVE_CUDA_KERNELS) && defined(DSSIM_TORCH_CUDA)
-  if (x.is_cuda()) {
+  if (auto a = kernel_launch(dy, x, mean, rstd, w, b, dres, dw_into, db_into, accumulate)) {
     const at::Tensor dx = at::empty_like(x);
     const at::Tensor dw = accumulate ? dw_into : at::empty_like(w);
-    const at::Tensor db = accumulate ? db_into : b.defined() ? at::empty_like(b) : at::Tensor();
-    if (run_kernels(dy, x, mean, rstd, w, b, dres, dx, dw, db, accumulate)) {
-      ran_kernel = true;
-      if (accumulate) return {dx, at::Tensor(), at::Tensor()};
-      return {dx, dw, db};
-    }
+    const at::Tensor db = accumulate ? db_into : at::empty_like(b);
+    const auto partial = at::empty({2 * int64_t(a->splits) * a->cols}, x.options().dtype(at::kFloat));
+    a->dx = dx.data_ptr();
+    a->dgamma = dw.data_ptr();
+    a->dbeta = db.data_ptr();
+    a->partial = partial.data_ptr<float>();
+    cuda::launch_layer_norm_backward(*a, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    ran_kernel = true;
+    if (accumulate) return {dx, at::Tensor(), at::Tensor()};
+    return {dx, dw, db};
   }
 #endif
   ran_kernel = false;
