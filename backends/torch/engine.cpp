@@ -80,6 +80,11 @@ class Engine {
         scaler_(sc.precision.loss_scale, fp16_),
         data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world), meter_(device) {
     const auto& par = sc.parallel;
+    // DSSIM_TIMING=events: instruction boundaries as CUDA events on one rank (engine_measure.hpp).
+    const std::string timing = env_str("DSSIM_TIMING", "sync");
+    if (timing != "sync" && timing != "events")
+      throw std::invalid_argument("DSSIM_TIMING is '" + timing + "'; set it to sync (the default) or events");
+    meter_.use_events(timing == "events" && world.size() == 1);
     if (sc.optimizer.kind != OptimizerKind::adamw && sc.optimizer.kind != OptimizerKind::onebit_adam)
       throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
                                               "asks for ") + to_string(sc.optimizer.kind) + ")");
@@ -876,8 +881,9 @@ class Engine {
         // compute instructions of one kind (ZeRO-3's per-layer forward and backward on one rank,
         // a backward split where gradient buckets close) are timed as one span: a host sync
         // between them would leave the GPU idle while the host queues the next one.
+        // With event timing (one rank, engine_measure.hpp) the boundary is an event, not a sync.
         if (is_collective(in.op)) sync();
-        else if (!continues_same_kind(rp)) timing_sync();
+        else if (!meter_.events() && !continues_same_kind(rp)) timing_sync();
         meter_.end(span, in, zero_->comm_wait_seconds());
       }
       if (timeline) meter_.memory_after(in, *timeline);
@@ -978,6 +984,7 @@ EngineResult Engine::run() {
     // The first measured step records the memory timeline (CUDA only).
     const bool record = measuring_ && done == warm && cuda_allocated_bytes(dev_) >= 0;
     local_grads_ = onebit_ && onebit_->compressing(step_);
+    meter_.step_start();
     execute(program_of_step(), record ? &res.memory_timeline : nullptr);
     check_tp_ledger();
     pipe_.finish_sends();
@@ -990,6 +997,7 @@ EngineResult Engine::run() {
       if (measuring_) meter_.add_comm_wait(cw - cw0);
     }
     sync();
+    meter_.resolve_step();
     const double dt = seconds_since(t0);
     if (tracing) kernel_trace_stop(trace_file);
     kernel_tracing_ = false;
@@ -1024,6 +1032,7 @@ EngineResult Engine::run() {
   if (!o_.dump_params.empty()) dump_params();
   res.measured_steps = int(res.step_seconds.size());
   res.seconds_by_op = meter_.seconds_by_op;
+  res.event_timing = meter_.events();
   res.tp_comm_seconds = meter_.tp_comm_seconds;
   res.ep_comm_seconds = meter_.ep_comm_seconds;
   res.comm = world_.counters();

@@ -5,8 +5,54 @@
 #include <stdexcept>
 #include <fstream>
 #include "backends/torch/torch_compat.hpp"
+#if defined(DSSIM_TORCH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
+#endif
 
 namespace dssim::tb {
+
+#if defined(DSSIM_TORCH_CUDA)
+struct InstructionMeter::Marks {
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> events;
+  int used = 0;
+};
+
+void InstructionMeter::use_events(bool on) {
+  events_ = on && dev_.is_cuda();
+  if (events_ && !marks_) marks_ = std::make_shared<Marks>();
+}
+
+int InstructionMeter::record_mark() {
+  auto& m = *marks_;
+  if (m.used == int(m.events.size()))
+    m.events.push_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));  // with timing
+  m.events[m.used]->record(c10::cuda::getCurrentCUDAStream(dev_.index()));
+  return m.used++;
+}
+
+void InstructionMeter::resolve_step() {
+  if (!events_) return;
+  for (const Pending& p : pending_) {
+    const double seconds = marks_->events[p.start]->elapsed_time(*marks_->events[p.end]) / 1e3;
+    seconds_by_op[p.kind] += seconds - p.less;
+  }
+  pending_.clear();
+}
+#else
+struct InstructionMeter::Marks {
+  int used = 0;
+};
+void InstructionMeter::use_events(bool) { events_ = false; }
+int InstructionMeter::record_mark() { return -1; }
+void InstructionMeter::resolve_step() {}
+#endif
+
+void InstructionMeter::step_start() {
+  if (!events_) return;
+  pending_.clear();
+  marks_->used = 0;
+  last_mark_ = record_mark();
+}
 
 InstructionMeter::Span InstructionMeter::begin(bool timed, double comm_wait_seconds) const {
   Span s;
@@ -14,6 +60,7 @@ InstructionMeter::Span InstructionMeter::begin(bool timed, double comm_wait_seco
   s.timed = timed;
   if (timed) s.inner0 = inner_seconds;
   s.comm_wait0 = comm_wait_seconds;
+  if (timed && events_) s.start_mark = last_mark_;
   return s;
 }
 
@@ -27,7 +74,12 @@ void InstructionMeter::end(const Span& span, const Instruction& in, double comm_
     if (d > 0) seconds_by_op[kind] += d, inner += d;
   }
   const double cw = comm_wait_seconds - span.comm_wait0;
-  seconds_by_op[to_string(in.op)] += dt - inner - cw;
+  if (span.start_mark >= 0) {  // event timing: resolved after the step's final sync
+    last_mark_ = record_mark();
+    pending_.push_back({to_string(in.op), span.start_mark, last_mark_, inner + cw});
+  } else {
+    seconds_by_op[to_string(in.op)] += dt - inner - cw;
+  }
   add_comm_wait(cw);
   if (is_collective(in.op) || in.op == Op::CopyD2H || in.op == Op::CopyH2D || in.op == Op::Send || in.op == Op::Recv)
     expected[counter_key(in.op, in.purpose)] += in.bytes * std::max(1, in.repeat);

@@ -6,10 +6,20 @@
 // (recompute inside Backward, a pipeline receive inside Forward, the parameter copy inside the host
 // step, TP and MoE collectives inside the compute) is added to `inner_seconds` and reported under
 // its own kind, not the instruction's.
+//
+// Event timing (DSSIM_TIMING=events, opt-in until measured; one GPU and one rank only): the
+// instructions' boundaries are CUDA events recorded on the compute stream instead of host syncs, so
+// the host queues the next instruction while the GPU runs the last one (a sync at each change of
+// kind leaves the GPU idle for the few hundred microseconds the host takes to queue the next
+// kernels). An instruction's seconds are the GPU's time from the previous boundary to its own,
+// resolved once the step's final sync has completed the events (resolve_step). With one rank nothing
+// the host waits on (a peer's message, a data-parallel collective) falls inside an instruction; the
+// inner work kept apart (recompute, ZeRO-3's gathers, MoE routing) is still timed between syncs.
 #pragma once
 #include <torch/torch.h>
 
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -29,6 +39,7 @@ class InstructionMeter {
     std::map<std::string, double> inner0;
     double comm_wait0 = 0;
     bool timed = false;
+    int start_mark = -1;  // event timing: the boundary event it starts at
   };
   // Opens the span of an instruction (`timed`: the engine is measuring); comm_wait_seconds is the
   // ZeRO state's running data-parallel wait.
@@ -41,6 +52,13 @@ class InstructionMeter {
   // TP and MoE collectives issued inside the compute: their kinds' inner seconds, and the totals
   // the report shows as communication inside the compute.
   void add_compute_collectives(std::map<Op, double>& tp_seconds, double& ep_seconds);
+  // Event timing (above): turned on where the device is a GPU (a no-op elsewhere); whether it is on.
+  void use_events(bool on);
+  bool events() const { return events_; }
+  // Event timing: the step's first boundary (after its opening sync), and, after its final sync,
+  // each instruction's seconds from its events.
+  void step_start();
+  void resolve_step();
   // A data-parallel wait outside every instruction (the step's final flush).
   void add_comm_wait(double seconds) { if (seconds > 0) seconds_by_op["dp_comm_wait"] += seconds; }
 
@@ -64,8 +82,24 @@ class InstructionMeter {
   double tp_comm_seconds = 0, ep_comm_seconds = 0;        // over the measured steps
 
  private:
+  // Records a boundary event on the current stream; its index.
+  int record_mark();
+
   torch::Device dev_;
   double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
+  // Event timing: the boundary events (reused from step to step), how many this step recorded, the
+  // last one, and the instructions to resolve (kind, start and end event, the inner seconds and
+  // data-parallel wait already reported under their own kinds).
+  struct Marks;
+  std::shared_ptr<Marks> marks_;
+  struct Pending {
+    std::string kind;
+    int start = 0, end = 0;
+    double less = 0;
+  };
+  std::vector<Pending> pending_;
+  bool events_ = false;
+  int last_mark_ = -1;
 };
 
 }  // namespace dssim::tb

@@ -383,6 +383,46 @@ TEST_CASE("cuda: the tiny model trains on a GPU like on the CPU", "[.gpu]") {
   CHECK(max_rel_diff(losses(cpu), losses(gpu)) <= 1e-3);  // TF32 / kernel choice aside
 }
 
+// DSSIM_TIMING (engine_measure.hpp): a bad value is refused by name; events apply on one GPU only,
+// so on the host the run reports its syncs.
+TEST_CASE("DSSIM_TIMING: a bad value refused, events only where there is one GPU", "[timing]") {
+  ::setenv("DSSIM_TIMING", "sometimes", 1);
+  Result bad = run("--json --steps 2 --nproc 1");
+  ::setenv("DSSIM_TIMING", "events", 1);
+  Result host = run("--json --steps 3 --nproc 1 --warmup 1");
+  ::unsetenv("DSSIM_TIMING");
+  CHECK(bad.code != 0);
+  CHECK(bad.err.find("DSSIM_TIMING is 'sometimes'") != std::string::npos);
+  INFO(host.err);
+  REQUIRE(host.code == 0);
+  CHECK(measured(host).at("instruction_timing") == "syncs");
+}
+
+// On a GPU, the instructions timed by CUDA events: the same losses as with syncs, and the kinds'
+// seconds add up to no more than the step (each boundary is an event on the one stream).
+TEST_CASE("cuda: event timing keeps the losses and splits the step", "[.gpu]") {
+  const std::string args = "--json --steps 6 --warmup 2 --nproc 1 --set zero.stage=1 --set training.global_batch=4 --backend cuda";
+  Result synced = run(args);
+  ::setenv("DSSIM_TIMING", "events", 1);
+  Result evented = run(args);
+  ::unsetenv("DSSIM_TIMING");
+  INFO(synced.err << evented.err);
+  REQUIRE(synced.code == 0);
+  REQUIRE(evented.code == 0);
+  CHECK(losses(synced) == losses(evented));
+  CHECK(measured(synced).at("instruction_timing") == "syncs");
+  CHECK(measured(evented).at("instruction_timing") == "events");
+  double sum = 0;
+  for (const auto& [kind, seconds] : measured(evented).at("seconds_per_iteration_by_instruction").items()) {
+    INFO(kind);
+    CHECK(seconds.get<double>() > 0);
+    sum += seconds.get<double>();
+  }
+  const double iteration = evented.json.at("throughput").at("iteration_seconds").get<double>();
+  CHECK(sum <= iteration * 1.05);
+  CHECK(sum >= iteration * 0.5);
+}
+
 TEST_CASE("selective activation checkpointing recomputes the attention core and matches", "[recompute][gloo]") {
   Result a = run("--json --steps 6 --nproc 2 --set zero.stage=1");
   Result b = run("--json --steps 6 --nproc 2 --set zero.stage=1 --set activation_checkpointing=selective");
