@@ -200,12 +200,10 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     // With the letter d, the GEMM also sums b1's gradient (into a temporary where it is to be added
     // into a gradient buffer: cuBLASLt writes the bias gradient, it does not add).
     WeightGradTarget t1;
-    at::Tensor db1_sum;
-    if (first_grads) {
-      t1 = weight_grad_target(w1, b1);
-      db1_sum = t1.in_place ? at::empty_like(b1) : t1.db;
-    }
-    const bool summed = first_grads && gemm_dgelu(dout, w2, pre, dpre, db1_sum);
+    if (first_grads) t1 = weight_grad_target(w1, b1);
+    const bool try_sum = first_grads && t1.db.defined() && enabled(Epilogue::DGeluBGrad);
+    const at::Tensor db1_sum = !try_sum ? at::Tensor() : t1.in_place ? at::empty_like(b1) : t1.db;
+    const bool summed = try_sum && gemm_dgelu(dout, w2, pre, dpre, db1_sum);
     if (!summed && !gemm_dgelu(dout, w2, pre, dpre)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
     if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
       std::tie(dw2, db2) = weight_grads(dout, m, w2, b2);
