@@ -40,7 +40,6 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
     case Epilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
     case Epilogue::GeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case Epilogue::DGelu: return CUBLASLT_EPILOGUE_DGELU;
-    case Epilogue::DGeluBGrad: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
     case Epilogue::BGradB: return CUBLASLT_EPILOGUE_BGRADB;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
@@ -81,7 +80,7 @@ bool lt_gemm(const LtGemm& g, void* workspace, size_t workspace_bytes, void* str
     check(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "set BIAS_POINTER");
     check(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t, sizeof t), "set BIAS_DATA_TYPE");
   }
-  if (g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::DGelu || g.epilogue == Epilogue::DGeluBGrad) {
+  if (g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::DGelu) {
     check(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof g.aux),
           "set EPILOGUE_AUX_POINTER");
     check(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g.ld_aux, sizeof g.ld_aux),

@@ -17,7 +17,6 @@ enum class Epilogue {
   Bias,         // D += bias (length m, broadcast over columns)
   GeluAuxBias,  // aux = A.B + bias; D = gelu_tanh(aux)
   DGelu,        // D = (A.B) * gelu_tanh'(aux)
-  DGeluBGrad,   // D as DGelu; bias = the sum of D over its n columns (length m): the bias gradient
   BGradB,       // bias = sum of op(B) over k (length n): a weight-gradient GEMM's bias gradient
 };
 
@@ -34,8 +33,8 @@ struct LtGemm {
   DType type = DType::BF16;  // of A, B, D, bias and aux (BF16 or F16)
   float beta = 0;            // D = A.B + beta C
   Epilogue epilogue = Epilogue::None;
-  void* bias = nullptr;  // read (Bias, GeluAuxBias) or written (BGradB, DGeluBGrad)
-  void* aux = nullptr;   // written (GeluAuxBias) or read (DGelu, DGeluBGrad), column-major m x n
+  void* bias = nullptr;  // read (Bias, GeluAuxBias) or written (BGradB)
+  void* aux = nullptr;   // written (GeluAuxBias) or read (DGelu), column-major m x n
   int64_t ld_aux = 0;
 };
 

@@ -31,12 +31,9 @@ namespace {
 std::atomic<int64_t> fallbacks{0};
 
 // DSSIM_GEMM_EPILOGUES: unset = all; "0" = none; otherwise letters: f (forward bias + GELU),
-// g (backward GELU), b (weight-gradient GEMMs with the bias gradient); d (opt-in, not in the
-// default until measured faster: the backward GELU's GEMM also sums the first linear's bias
-// gradient, DGELU_BGRAD, instead of the column-sum kernel reading dpre again).
-// Read once; set_gemm_epilogue_letters overrides it (tests, before any GEMM of theirs runs).
-std::string& epilogue_flags() {
-  static std::string flags = env_str("DSSIM_GEMM_EPILOGUES", "fgb");
+// g (backward GELU), b (weight-gradient GEMMs with the bias gradient).
+const std::string& epilogue_flags() {
+  static const std::string flags = env_str("DSSIM_GEMM_EPILOGUES", "fgb");
   return flags;
 }
 bool turned_off() { return epilogue_flags() == "0"; }
@@ -80,7 +77,6 @@ bool enabled(Epilogue e) {
     case Epilogue::Bias:
     case Epilogue::GeluAuxBias: letter = 'f'; break;
     case Epilogue::DGelu: letter = 'g'; break;
-    case Epilogue::DGeluBGrad: letter = 'd'; break;
     case Epilogue::BGradB: letter = 'b'; break;
   }
   return epilogue_flags().find(letter) != std::string::npos;
@@ -93,7 +89,6 @@ const char* epilogue_name(Epilogue e) {
     case Epilogue::Bias: return "bias";
     case Epilogue::GeluAuxBias: return "gelu_aux_bias";
     case Epilogue::DGelu: return "dgelu";
-    case Epilogue::DGeluBGrad: return "dgelu_bgrad";
     case Epilogue::BGradB: return "bgradb";
   }
   return "unknown";
@@ -195,26 +190,11 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const at::Tensor &x = s[0], &w1 = s[1], &w2 = s[2], &pre = s[3], &m = s[4], &b1 = s[5], &b2 = s[6];
     const auto dout = rows(grads[0]);
     auto dpre = at::empty_like(pre);
+    if (!gemm_dgelu(dout, w2, pre, dpre)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
     at::Tensor dx, dw1, db1, dw2, db2;
-    const bool first_grads = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
-    // With the letter d, the GEMM also sums b1's gradient (into a temporary where it is to be added
-    // into a gradient buffer: cuBLASLt writes the bias gradient, it does not add).
-    WeightGradTarget t1;
-    if (first_grads) t1 = weight_grad_target(w1, b1);
-    const bool try_sum = first_grads && t1.db.defined() && enabled(Epilogue::DGeluBGrad);
-    const at::Tensor db1_sum = !try_sum ? at::Tensor() : t1.in_place ? at::empty_like(b1) : t1.db;
-    const bool summed = try_sum && gemm_dgelu(dout, w2, pre, dpre, db1_sum);
-    if (!summed && !gemm_dgelu(dout, w2, pre, dpre)) dpre = at::gelu_backward(at::mm(dout, w2), pre, "tanh");
     if (ctx->needs_input_grad(3) || ctx->needs_input_grad(4))
       std::tie(dw2, db2) = weight_grads(dout, m, w2, b2);
-    if (first_grads) {
-      linear_weight_grads(dpre, x, t1.dw, summed ? at::Tensor() : t1.db, t1.in_place);
-      if (summed && t1.in_place) {
-        at::NoGradGuard no_grad;
-        t1.db.add_(db1_sum);
-      }
-      std::tie(dw1, db1) = t1.returned();
-    }
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) std::tie(dw1, db1) = weight_grads(dpre, x, w1, b1);
     if (ctx->needs_input_grad(0)) dx = at::mm(dpre, w1).view(with_last(grads[0], x.size(1)));
     const at::Tensor dr = ctx->saved_data["residual"].toBool() ? grads[0] : at::Tensor();
     return {dx, dw1, db1, dw2, ctx->saved_data["b2"].toBool() ? db2 : at::Tensor(), dr};
@@ -260,8 +240,6 @@ bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 int64_t gemm_epilogue_fallbacks() { return fallbacks.load(); }
 
-std::string set_gemm_epilogue_letters(const std::string& letters) { return std::exchange(epilogue_flags(), letters); }
-
 std::string gemm_epilogues_mode() {
   if (!DSSIM_FUSED_EPILOGUES) return "";
   return turned_off() ? "off" : epilogue_flags();
@@ -295,15 +273,10 @@ bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return run(g, x);
 }
 
-bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre,
-                const at::Tensor& db) {
-  if (!usable({&dy, &w, &pre, &dpre, &db})) return false;
+bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre) {
+  if (!usable({&dy, &w, &pre, &dpre})) return false;
   auto g = row_major(dpre, dy, false, w, false);
-  g.epilogue = db.defined() ? Epilogue::DGeluBGrad : Epilogue::DGelu;
-  if (db.defined()) {
-    if (db.numel() != dpre.size(1)) return false;
-    g.bias = db.data_ptr();
-  }
+  g.epilogue = Epilogue::DGelu;
   g.aux = pre.data_ptr();
   g.ld_aux = pre.size(1);
   return run(g, dy);
@@ -324,9 +297,7 @@ bool gemm_gelu_aux_bias(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 bool gemm_bias_residual(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   return false;
 }
-bool gemm_dgelu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-  return false;
-}
+bool gemm_dgelu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 bool gemm_bgradb(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 #endif
 

@@ -20,8 +20,7 @@
 // with no temporary and no AccumulateGrad kernel. Saved tensors are ATen's (x, pre, m), so memory
 // is unchanged. Elsewhere (CPUs, fp32, libtorch 1.13, no cuBLASLt, shapes cuBLASLt refuses) these
 // are ATen's ops, exactly the expressions they replace. DSSIM_GEMM_EPILOGUES=0 in the environment turns the fused path off, its
-// letters pick parts (f forward, g GELU backward, b bias gradients; d, opt-in: the first linear's bias
-// gradient summed by the GELU backward's GEMM, DGELU_BGRAD): A/B measurements.
+// letters pick parts (f forward, g GELU backward, b bias gradients): A/B measurements.
 #pragma once
 #include <string>
 #include <utility>
@@ -78,15 +77,13 @@ void set_wgrad_in_place(bool on);
 // not run fused (not built, CPU, fp32, turned off, a shape cuBLASLt refuses). x [T x k], w [n x k]:
 //   gemm_gelu_aux_bias  pre = x W^T + b, m = gelu_tanh(pre)        (GELU_AUX_BIAS)
 //   gemm_bias_residual  out = x W^T [+ b] [+ residual]             (BIAS, beta 1; b, residual optional)
-//   gemm_dgelu          dpre = (dy W) * gelu_tanh'(pre), dy [T x n] (DGELU); with db defined also
-//                       db = the sum of dpre's rows (DGELU_BGRAD, the letter d: written, not added)
+//   gemm_dgelu          dpre = (dy W) * gelu_tanh'(pre), dy [T x n] (DGELU)
 //   gemm_bgradb         dw = dy^T x, db = the sum of dy's rows      (BGRADB)
 bool gemm_gelu_aux_bias(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& m,
                         const at::Tensor& pre);
 bool gemm_bias_residual(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& residual,
                         const at::Tensor& out);
-bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre,
-                const at::Tensor& db = at::Tensor());
+bool gemm_dgelu(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre, const at::Tensor& dpre);
 bool gemm_bgradb(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw, const at::Tensor& db);
 // Whether mlp / biased_linear would run fused for these tensors (false where not built, on CPUs,
 // or when turned off).
@@ -94,9 +91,6 @@ bool gemm_epilogues_apply(const at::Tensor& x, const at::Tensor& w, const at::Te
 // What runs fused on GPUs, for the run's report: "" where this dssim has no cuBLASLt (or no CUDA
 // libtorch), "off" with DSSIM_GEMM_EPILOGUES=0, else its letters ("fgb" by default).
 std::string gemm_epilogues_mode();
-// Overrides DSSIM_GEMM_EPILOGUES for this process (tests; not while another thread runs a GEMM);
-// returns the letters before.
-std::string set_gemm_epilogue_letters(const std::string& letters);
 // GEMMs that cuBLASLt had no kernel for with their epilogue, run through ATen's ops instead (the
 // first one is reported on stderr).
 int64_t gemm_epilogue_fallbacks();

@@ -132,23 +132,14 @@ TEST_CASE("single epilogue GEMMs: refused on the host, exact to 16-bit rounding 
     const auto dy = at::randn({T, n}, o), pre = at::randn({T, k}, o);
     auto m = at::full({T, n}, 7.0, o), aux = at::full({T, n}, 7.0, o), out = at::full({T, n}, 7.0, o);
     auto dpre = at::full({T, k}, 7.0, o), dw = at::full({n, k}, 7.0, o), db = at::full({n}, 7.0, o);
-    auto dpre2 = at::full({T, k}, 7.0, o), db_pre = at::full({k}, 7.0, o);
     const bool fused = gemm_epilogues_apply(x, w, b);
     REQUIRE(gemm_gelu_aux_bias(x, w, b, m, aux) == fused);
     REQUIRE(gemm_bias_residual(x, w, b, r, out) == fused);
     REQUIRE(gemm_dgelu(dy, w, pre, dpre) == fused);  // dy [T x n] W [n x k]
     REQUIRE(gemm_bgradb(dy, x, dw, db) == fused);
-    // DGELU_BGRAD only with its letter, opt-in: refused by default, leaving its outputs alone.
-    REQUIRE_FALSE(gemm_dgelu(dy, w, pre, dpre2, db_pre));
-    REQUIRE(at::equal(db_pre, at::full_like(db_pre, 7.0)));
-    const std::string before = set_gemm_epilogue_letters("fgbd");
-    const bool summed = gemm_dgelu(dy, w, pre, dpre2, db_pre);
-    set_gemm_epilogue_letters(before);
     if (!fused) {
-      REQUIRE_FALSE(summed);
       if (gpu) WARN("no cuBLASLt in this build: the single epilogue GEMMs' GPU check is skipped");
-      for (const auto& t : {m, aux, out, dpre, dw, db, dpre2, db_pre})
-        REQUIRE(at::equal(t, at::full_like(t, 7.0)));  // untouched
+      for (const auto& t : {m, aux, out, dpre, dw, db}) REQUIRE(at::equal(t, at::full_like(t, 7.0)));  // untouched
       continue;
     }
     const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
@@ -159,12 +150,6 @@ TEST_CASE("single epilogue GEMMs: refused on the host, exact to 16-bit rounding 
     CHECK(max_rel(dpre, at::gelu_backward(at::mm(f(dy), f(w)), f(pre), "tanh")) < 1e-2);
     CHECK(max_rel(dw, at::mm(f(dy).t(), f(x))) < 1e-2);
     CHECK(max_rel(db, f(dy).sum(0)) < 1e-2);
-    if (summed) {  // cuBLASLt may offer no DGELU_BGRAD kernel: the MLP then sums with the kernel
-      REQUIRE(at::equal(dpre2, dpre));
-      CHECK(max_rel(db_pre, at::gelu_backward(at::mm(f(dy), f(w)), f(pre), "tanh").sum(0)) < 1e-2);
-    } else {
-      WARN("cuBLASLt offers no DGELU_BGRAD kernel for this shape");
-    }
   }
 }
 
@@ -211,17 +196,13 @@ TEST_CASE("block weight gradients added into preset gradient buffers in place", 
   const at::Device gpu(at::kCUDA, 0);
   torch::manual_seed(15);
   const auto type = at::kBFloat16;
-  // In place, and DSSIM_WGRAD=bgradb's temporaries added by AccumulateGrad: the same values; each
-  // with the first linear's bias gradient summed by the column-sum kernel or by DGELU_BGRAD (d).
-  const std::string before = set_gemm_epilogue_letters("fgb");
-  for (const char* letters : {"fgb", "fgbd"})
+  // In place, and DSSIM_WGRAD=bgradb's temporaries added by AccumulateGrad: the same values.
   for (bool in_place : {true, false})
   for (bool is_mlp : {true, false})
     for (bool bias2 : {true, false}) {
       set_wgrad_in_place(in_place);
-      set_gemm_epilogue_letters(letters);
       const bool qkv = !is_mlp && !bias2;
-      INFO(letters << ", " << (in_place ? "in place, " : "bgradb, ") << (qkv ? "qkv + attention" : is_mlp ? "mlp" : "linear")
+      INFO((in_place ? "in place, " : "bgradb, ") << (qkv ? "qkv + attention" : is_mlp ? "mlp" : "linear")
            << (bias2 ? " with b2" : ""));
       const int64_t h = 64, f = qkv ? 3 * h : 256, o = is_mlp ? h : f;
       const auto in = inputs(gpu, type, h, f);
@@ -259,5 +240,4 @@ TEST_CASE("block weight gradients added into preset gradient buffers in place", 
       // The input's gradient does not depend on where the weights' went.
       REQUIRE(at::equal(preset[0].grad(), plain[0].grad()));
     }
-  set_gemm_epilogue_letters(before);
 }
