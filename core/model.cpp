@@ -365,16 +365,25 @@ void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dro
     set(up, "gelu_aux_bias", "", "bgradb", true);
     set(find("mlp_down"), residual ? "bias_residual" : "", "dgelu", tp ? "" : "bgradb", true);
   }
+  // Each norm's backward adds the gradient of the residual that forks with it (the engine's
+  // layer_norm_residual, without TP): the fork's sum is gone, the norm's backward reads the
+  // residual's gradient as well (6 e an element where ATen's backward moved 5 e, its own profile
+  // row), and its gain and bias are added into the gradient buffer in place.
+  if (residual)
+    for (LayerOp& op : ops)
+      if ((op.name == "layernorm_1" || op.name == "layernorm_2") && op.backward_bytes > 0) {
+        const double elements = op.backward_bytes / (5 * e), width = (op.memory_bytes - 2 * e * elements) / (2 * e);
+        op.backward_bytes = 6 * e * elements;
+        op.backward_kernel = "layer_norm_residual_backward";
+        in_place_params += 2 * width;
+      }
   const LayerOp* proj = find("attention_proj");
   std::vector<LayerOp> out;
   for (LayerOp& op : ops) {
     if (dense_mlp && op.name == "gelu") continue;
+    if (residual && (op.name == "residual_1" || (dense_mlp && op.name == "residual_2"))) continue;  // in the norms
+    if (residual && op.name == "residual_2") op.backward_bytes = 0;  // MoE's add: its fork's sum is in the norm
     if (flash && proj && op.name == "attention_layout_copies") op.memory_bytes = 2 * e * proj->m * proj->k;
-    if (residual && (op.name == "residual_1" || (dense_mlp && op.name == "residual_2"))) {
-      op.backward_only = true;  // the fork's gradient sum stays: memory_bytes are its backward bytes
-      op.memory_bytes = op.backward_memory_bytes();
-      op.backward_bytes = -1;
-    }
     if (op.name == "grad_accumulate") {  // what is left for AccumulateGrad: norms, TP's late biases
       const double params = op.flops - in_place_params;
       if (params <= 1e-9 * op.flops) continue;

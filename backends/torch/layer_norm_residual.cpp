@@ -22,7 +22,7 @@ namespace {
 constexpr double kEps = 1e-5;
 
 std::atomic<bool>& fused_mode() {  // read from DSSIM_NORM_RESIDUAL once; set_norm_residual_fused overrides it
-  static std::atomic<bool> fused{env_str("DSSIM_NORM_RESIDUAL", "separate") == "fused"};
+  static std::atomic<bool> fused{env_str("DSSIM_NORM_RESIDUAL", "fused") != "separate"};
   return fused;
 }
 std::atomic<bool> ran_kernel{false};

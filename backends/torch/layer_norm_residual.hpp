@@ -13,8 +13,8 @@
 // are added into the parameters' preset gradient buffers where gemm_epilogues.hpp's grad_in_place
 // gives them (AccumulateGrad otherwise).
 //
-// DSSIM_NORM_RESIDUAL=fused in the environment uses this function; "separate" (unset: not yet
-// measured on a GPU) keeps the engine before (at::layer_norm, the fork's add by autograd).
+// DSSIM_NORM_RESIDUAL=separate in the environment keeps the engine before (at::layer_norm, the
+// fork's add by autograd), for A/B runs; "fused" (unset) uses this function.
 #pragma once
 #include <torch/torch.h>
 
@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_backward(
     const at::Tensor& b, const at::Tensor& dres, const at::Tensor& dw_into = at::Tensor(),
     const at::Tensor& db_into = at::Tensor());
 
-// DSSIM_NORM_RESIDUAL: true where "fused"; set_norm_residual_fused overrides it (tests, A/B).
+// DSSIM_NORM_RESIDUAL: true unless "separate"; set_norm_residual_fused overrides it (tests, A/B).
 bool norm_residual_fused();
 void set_norm_residual_fused(bool on);
 // Whether the last backward ran dssim's kernels (false: ATen's), for tests.

@@ -109,7 +109,7 @@ TEST_CASE("model.gemm_epilogues and model.cross_entropy_kernel: keys, defaults, 
   CHECK_FALSE(llama.model.block_epilogues());
 }
 
-TEST_CASE("gemm_epilogues op list: no gelu or bias_grads op, epilogues on the GEMMs, residuals backward-only", "[epilogues]") {
+TEST_CASE("gemm_epilogues op list: no gelu or bias_grads op, epilogues on the GEMMs, the residuals in the norms", "[epilogues]") {
   ModelSpec m = fused_gpt();
   const double e = 2, T = 2 * 2048.0, h = 2048, f = 4 * h;
   const auto ops = layer_forward_ops(m, shape());
@@ -133,26 +133,33 @@ TEST_CASE("gemm_epilogues op list: no gelu or bias_grads op, epilogues on the GE
   CHECK(down->dgrad_epilogue_bytes == e * T * f);  // GELU's input [T x f], the dgrad's output
   CHECK(plain_gemm(*up).memory_bytes == find(plain, "mlp_up")->memory_bytes);
   CHECK_FALSE(plain_gemm(*down).has_epilogue());
-  // The residual adds run in the GEMMs; their backward (the gradient sum at the fork) stays.
+  // The residual adds run in the GEMMs and their backward (the gradient sum at the fork) in the
+  // norms' backward (layer_norm_residual): no residual op is left, each norm's backward reads the
+  // residual's gradient too (6 e where ATen's moved 5 e) at its own row.
   for (const char* r : {"residual_1", "residual_2"}) {
-    const LayerOp* op = find(ops, r);
-    REQUIRE(op);
-    CHECK(op->backward_only);
-    CHECK(op->memory_bytes == 3 * e * T * h);
-    CHECK(op->backward_memory_bytes() == find(plain, r)->backward_memory_bytes());
+    CHECK_FALSE(find(ops, r));
+    CHECK(find(plain, r)->backward_memory_bytes() == 3 * e * T * h);
+  }
+  for (const char* n : {"layernorm_1", "layernorm_2"}) {
+    const LayerOp *op = find(ops, n), *was = find(plain, n);
+    REQUIRE((op && was));
+    CHECK(op->backward_memory_bytes() == 6 * e * T * h);
+    CHECK(was->backward_memory_bytes() == 5 * e * T * h);
+    CHECK(op->backward_kernel == "layer_norm_residual_backward");
+    CHECK(op->memory_bytes == was->memory_bytes);  // the forward is ATen's
   }
   // Dense q, k, v: the layout copies are the attention output's gradient only (h wide, was h + 2 * 3h).
   CHECK(find(ops, "attention_layout_copies")->memory_bytes == 2 * e * T * h);
   CHECK(find(plain, "attention_layout_copies")->memory_bytes == 2 * e * T * (h + 2 * 3 * h));
   // Backward bytes: 2x the plain GEMMs, plus dgelu's read.
   OpsCost fused_bwd = backward_cost(ops), plain_bwd = backward_cost(plain);
-  CHECK(fused_bwd.kernels == plain_bwd.kernels - 2);  // no gelu backward, no bias_grads
+  CHECK(fused_bwd.kernels == plain_bwd.kernels - 5);  // no gelu backward, no bias_grads, no fork sums or grad_accumulate
   CHECK(sum_cost(ops).kernels == sum_cost(plain).kernels - 3);  // no gelu, no residual adds
   // The four linears' weight and bias gradients are added into the gradient buffer by their wgrad
-  // GEMMs and the bias kernel (the engine's grad_in_place): AccumulateGrad is left the two norms.
+  // GEMMs and the bias kernel (the engine's grad_in_place), the norms' gains and biases by the norm
+  // kernels: nothing is left for AccumulateGrad.
   CHECK(find(plain, "grad_accumulate")->memory_bytes == 3 * e * dense_layer_params(m));
-  CHECK(find(ops, "grad_accumulate")->memory_bytes == 3 * e * 2 * norm_params(m));
-  CHECK(find(ops, "grad_accumulate")->flops == 2 * norm_params(m));
+  CHECK_FALSE(find(ops, "grad_accumulate"));
 }
 
 TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE and LoRA", "[epilogues]") {
@@ -167,6 +174,7 @@ TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE an
          find(tp, "mlp_down")->wgrad_epilogue == ""));
   CHECK(!find(tp, "attention_proj")->has_epilogue());
   CHECK_FALSE(find(tp, "residual_1")->backward_only);  // the residual after the reduction: ATen's add
+  CHECK(find(tp, "layernorm_1")->backward_kernel == "layer_norm_backward");  // and ATen's norm
   REQUIRE(find(tp, "bias_grads"));
   CHECK(find(tp, "bias_grads")->memory_bytes == Approx(e * T * 2 * h));  // the row-parallel layers' biases
   // In place under TP: qkv and mlp_up with their biases, mlp_down's weight (its bias follows the
@@ -181,6 +189,7 @@ TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE an
   CHECK(find(d, "attention_proj")->epilogue == "");
   CHECK_FALSE(find(d, "dropout_residual_1")->backward_only);
   CHECK(find(d, "mlp_up")->epilogue == "gelu_aux_bias");
+  CHECK(find(d, "layernorm_2")->backward_kernel == "layer_norm_backward");
 
   ModelSpec swiglu = fused_gpt();
   swiglu.swiglu = true;
@@ -203,6 +212,9 @@ TEST_CASE("gemm_epilogues under tensor parallelism, with dropout, SwiGLU, MoE an
   CHECK(find(mo, "mlp_up")->epilogue == "");
   CHECK(find(mo, "attention_proj")->epilogue == "bias_residual");
   CHECK_FALSE(find(mo, "residual_2")->backward_only);
+  // MoE's residual add runs in the forward; its fork's sum is in the norm's backward.
+  CHECK(find(mo, "residual_2")->backward_memory_bytes() == 0);
+  CHECK(find(mo, "layernorm_2")->backward_kernel == "layer_norm_residual_backward");
 }
 
 TEST_CASE("an epilogue the profile has no rows for: the plain GEMM plus the kernel it replaces", "[epilogues]") {
