@@ -7,7 +7,7 @@
 // step, TP and MoE collectives inside the compute) is added to `inner_seconds` and reported under
 // its own kind, not the instruction's.
 //
-// Event timing (DSSIM_TIMING=events, opt-in until measured; one GPU and one rank only): the
+// Event timing (DSSIM_TIMING=events, opt-in: one H100 A/B within noise; one GPU and one rank only): the
 // instructions' boundaries are CUDA events recorded on the compute stream instead of host syncs, so
 // the host queues the next instruction while the GPU runs the last one (a sync at each change of
 // kind leaves the GPU idle for the few hundred microseconds the host takes to queue the next
