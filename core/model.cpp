@@ -334,7 +334,7 @@ LayerOp dropout_residual_op(const std::string& name, double tokens, double h, do
 // Dense q, k, v (three GEMMs into one [3, b, s, a, d] tensor): the flash kernels' dq, dk, dv come
 // back dense and feed the QKV backward as they are, so of the layout copies only the attention
 // output's gradient copy (h/t wide, the projection's input) is left.
-void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dropout, bool flash) {
+void apply_gemm_epilogues(std::vector<LayerOp>& ops, double h, double e, bool tp, bool dropout, bool flash) {
   const auto find = [&](const std::string& name) -> LayerOp* {
     for (LayerOp& op : ops)
       if (op.name == name && (!op.gemm || op.batch == 1)) return &op;
@@ -372,10 +372,10 @@ void apply_gemm_epilogues(std::vector<LayerOp>& ops, double e, bool tp, bool dro
   if (residual)
     for (LayerOp& op : ops)
       if ((op.name == "layernorm_1" || op.name == "layernorm_2") && op.backward_bytes > 0) {
-        const double elements = op.backward_bytes / (5 * e), width = (op.memory_bytes - 2 * e * elements) / (2 * e);
+        const double elements = op.flops / kLayerNormFlopsPerElement;  // layernorm_op's T h
         op.backward_bytes = 6 * e * elements;
         op.backward_kernel = "layer_norm_residual_backward";
-        in_place_params += 2 * width;
+        in_place_params += 2 * h;  // gain and bias
       }
   const LayerOp* proj = find("attention_proj");
   std::vector<LayerOp> out;
@@ -528,7 +528,7 @@ std::vector<LayerOp> layer_forward_ops(const ModelSpec& m, const LayerShape& sha
   finetune_layer_ops(ops, m, shape);
   // LoRA-adapted linears run ATen's ops in the engine: the model keeps the block unfused then.
   if (m.block_epilogues() && !(shape.finetune && shape.finetune->lora()))
-    apply_gemm_epilogues(ops, e, shape.tp > 1, m.has_dropout(), m.flash_attention);
+    apply_gemm_epilogues(ops, h, e, shape.tp > 1, m.has_dropout(), m.flash_attention);
   return ops;
 }
 

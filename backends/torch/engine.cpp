@@ -80,11 +80,7 @@ class Engine {
         scaler_(sc.precision.loss_scale, fp16_),
         data_(o.data_path, cfg_.vocab, cfg_.seq_len, sc.training.seed), pipe_(world), meter_(device) {
     const auto& par = sc.parallel;
-    // DSSIM_TIMING=events: instruction boundaries as CUDA events on one rank (engine_measure.hpp).
-    const std::string timing = env_str("DSSIM_TIMING", "sync");
-    if (timing != "sync" && timing != "events")
-      throw std::invalid_argument("DSSIM_TIMING is '" + timing + "'; set it to sync (the default) or events");
-    meter_.use_events(timing == "events" && world.size() == 1);
+    meter_.use_events_from_env(world.size());  // DSSIM_TIMING (engine_measure.hpp)
     if (sc.optimizer.kind != OptimizerKind::adamw && sc.optimizer.kind != OptimizerKind::onebit_adam)
       throw std::invalid_argument(std::string("torch backend: only AdamW and 1-bit Adam are implemented (the scenario "
                                               "asks for ") + to_string(sc.optimizer.kind) + ")");

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <fstream>
+#include "backends/torch/env.hpp"
 #include "backends/torch/torch_compat.hpp"
 #if defined(DSSIM_TORCH_CUDA)
 #include <ATen/cuda/CUDAEvent.h>
@@ -38,20 +39,26 @@ void InstructionMeter::resolve_step() {
   }
   pending_.clear();
 }
-#else
-struct InstructionMeter::Marks {
-  int used = 0;
-};
-void InstructionMeter::use_events(bool) { events_ = false; }
-int InstructionMeter::record_mark() { return -1; }
-void InstructionMeter::resolve_step() {}
-#endif
 
 void InstructionMeter::step_start() {
   if (!events_) return;
   pending_.clear();
   marks_->used = 0;
   last_mark_ = record_mark();
+}
+#else  // no CUDA: host timing only
+struct InstructionMeter::Marks {};
+void InstructionMeter::use_events(bool) { events_ = false; }
+int InstructionMeter::record_mark() { return -1; }
+void InstructionMeter::step_start() {}
+void InstructionMeter::resolve_step() {}
+#endif
+
+void InstructionMeter::use_events_from_env(int world_size) {
+  const std::string timing = env_str("DSSIM_TIMING", "sync");
+  if (timing != "sync" && timing != "events")
+    throw std::invalid_argument("DSSIM_TIMING is '" + timing + "'; set it to sync (the default) or events");
+  use_events(timing == "events" && world_size == 1);
 }
 
 InstructionMeter::Span InstructionMeter::begin(bool timed, double comm_wait_seconds) const {

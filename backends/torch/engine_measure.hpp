@@ -52,8 +52,9 @@ class InstructionMeter {
   // TP and MoE collectives issued inside the compute: their kinds' inner seconds, and the totals
   // the report shows as communication inside the compute.
   void add_compute_collectives(std::map<Op, double>& tp_seconds, double& ep_seconds);
-  // Event timing (above): turned on where the device is a GPU (a no-op elsewhere); whether it is on.
-  void use_events(bool on);
+  // Event timing (above) as DSSIM_TIMING says ("sync", the default, or "events"; anything else
+  // throws, naming the variable), on where the device is a GPU and `world_size` is 1; whether it is on.
+  void use_events_from_env(int world_size);
   bool events() const { return events_; }
   // Event timing: the step's first boundary (after its opening sync), and, after its final sync,
   // each instruction's seconds from its events.
@@ -84,6 +85,7 @@ class InstructionMeter {
  private:
   // Records a boundary event on the current stream; its index.
   int record_mark();
+  void use_events(bool on);
 
   torch::Device dev_;
   double peak_seen_ = 0;  // the allocator's peak before the timeline restarted it
