@@ -12,9 +12,18 @@
 
 namespace dssim::test {
 
+// The hook's totals are int64_t in libtorch 1.13 and size_t in later releases: take its own types.
+template <class> struct ReportTotals;
+template <class C, class Ptr, class Bytes, class Total, class Reserved, class Device>
+struct ReportTotals<void (C::*)(Ptr, Bytes, Total, Reserved, Device)> {
+  using Allocated = Total;
+  using Held = Reserved;
+};
+using HookTotals = ReportTotals<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>;
+
 struct AllocationPeak final : c10::MemoryReportingInfoBase {
   int64_t now = 0, peak = 0;
-  void reportMemoryUsage(void*, int64_t bytes, int64_t, int64_t, c10::Device) override {
+  void reportMemoryUsage(void*, int64_t bytes, HookTotals::Allocated, HookTotals::Held, c10::Device) override {
     now += bytes;
     peak = std::max(peak, now);
   }

@@ -108,7 +108,6 @@ TEST_CASE("LayerNorm backward kernels on a GPU against double", "[norm]") {
       const int64_t vec = type == at::kFloat ? 4 : 8;
       const bool takes = cols % vec == 0 && (cols + 32 * vec - 1) / (32 * vec) <= 32;
       INFO(c10::toString(type) << " rows " << rows << " cols " << cols);
-      const auto o = f32.dtype(type);
       const auto x = (at::randn({rows, cols}, f32) * 2 + 0.5).to(type);
       const auto w = (1 + 0.2 * at::randn({cols}, f32)).to(type), b = (0.1 * at::randn({cols}, f32)).to(type);
       const auto dy = at::randn({rows, cols}, f32).to(type), dres = at::randn({rows, cols}, f32).to(type);
