@@ -137,7 +137,8 @@ struct DeviceProfile {
 
   // Achieved FLOP/s of a GEMM C[m x n] = A[m x k] B[k x n] repeated `batch` times; `pass`: which
   // of the linear layer's GEMMs, (m, n, k) being the forward op's; only rows of that pass and that
-  // `epilogue` count ("" = plain GEMMs: rows with an epilogue never answer).
+  // `epilogue` count ("" = plain GEMMs: rows with an epilogue never answer). fp16 and bf16 share
+  // the tensor cores' rate: a profile with no rows of one prices it from the other's (attention too).
   std::optional<double> gemm_flops_per_second(Dtype, double m, double n, double k, double batch = 1,
                                               GemmPass pass = GemmPass::forward,
                                               const std::string& epilogue = "") const;

@@ -140,7 +140,11 @@ TEST_CASE("profile interpolation: exact on table points, monotone between, prese
   CHECK_FALSE(p.gemm_flops_per_second(Dtype::bf16, 512, 4096, 4096));
   CHECK_FALSE(p.gemm_flops_per_second(Dtype::bf16, 2048, 2048, 4096));
   CHECK(*p.gemm_flops_per_second(Dtype::bf16, 65536, 4096, 4096) == Approx(7.0e14));
-  CHECK_FALSE(p.gemm_flops_per_second(Dtype::fp16, 2048, 4096, 4096));  // no fp16 rows
+  // No fp16 rows: the bf16 rows price fp16 (one tensor-core rate); fp32 never borrows them.
+  CHECK(*p.gemm_flops_per_second(Dtype::fp16, 2048, 4096, 4096) == *p.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096));
+  CHECK(*p.gemm_flops_per_second(Dtype::fp16, 1500, 6000, 4096) == *p.gemm_flops_per_second(Dtype::bf16, 1500, 6000, 4096));
+  CHECK_FALSE(p.gemm_flops_per_second(Dtype::fp16, 512, 4096, 4096));  // below the table, as bf16
+  CHECK_FALSE(p.gemm_flops_per_second(Dtype::fp32, 2048, 4096, 4096));
   // Bandwidth tables: exact, monotone, other ops fall back to add's rows.
   CHECK(*p.elementwise_bytes_per_second("layer_norm", Dtype::bf16, 1.0e9) == Approx(3.0e12));
   CHECK(*p.elementwise_bytes_per_second("gelu", Dtype::bf16, 1.0e9) == Approx(4.0e12));
@@ -155,6 +159,31 @@ TEST_CASE("profile interpolation: exact on table points, monotone between, prese
   CHECK(elementwise_family("final_layernorm") == "layer_norm");
   CHECK(elementwise_family("gelu") == "gelu");
   CHECK(elementwise_family("dropout_residual_1") == "add");
+}
+
+TEST_CASE("fp16 and bf16: each type's own rows where the profile has them, else the other 16-bit type's", "[profile]") {
+  // Rows of both types at one shape, at different rates: each type answers with its own.
+  const DeviceProfile both = parse_device_profile(
+      with_line("attention:", "  - {op: mlp_up, dtype: fp16, m: 2048, n: 4096, k: 4096, flops_per_second: 1.0e14}\n"
+                              "attention:\n"
+                              "  - {kernel: flash, dtype: fp16, batch_heads: 32, seq_len: 1024, head_dim: 128, causal: true, flops_per_second: 1.0e14}"),
+      "h.yaml");
+  CHECK(*both.gemm_flops_per_second(Dtype::fp16, 2048, 4096, 4096) == 1.0e14);
+  CHECK(*both.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096) == 4.0e14);
+  CHECK(*both.attention_flops_per_second("flash", Dtype::fp16, 32, 1024, 128) == 1.0e14);
+  CHECK(*both.attention_flops_per_second("flash", Dtype::bf16, 32, 1024, 128) == 3.0e14);
+  // fp16's own table answers alone: below it no bf16 row stands in (bf16 has m = 1024).
+  CHECK_FALSE(both.gemm_flops_per_second(Dtype::fp16, 1024, 4096, 4096));
+  CHECK(*both.gemm_flops_per_second(Dtype::bf16, 1024, 4096, 4096) == 2.0e14);
+  // A profile of fp16 rows only prices bf16 from them, and a model of either type the same.
+  const DeviceProfile fp16_only = parse_device_profile(
+      "version: 1\nmetadata: {gpu: Test GPU, backend: cuda, date: d, tool: t}\ngemm:\n"
+      "  - {op: mlp_up, dtype: fp16, m: 2048, n: 4096, k: 4096, flops_per_second: 1.0e14}\n",
+      "f.yaml");
+  CHECK(*fp16_only.gemm_flops_per_second(Dtype::bf16, 2048, 4096, 4096) == 1.0e14);
+  const LayerOp op = gemm(2048, 4096, 4096);
+  CHECK(*fp16_only.kernel_seconds(op, Dtype::bf16, true) == *fp16_only.kernel_seconds(op, Dtype::fp16, true));
+  CHECK_FALSE(fp16_only.kernel_seconds(op, Dtype::fp32, true));
 }
 
 TEST_CASE("the device model with a profile reproduces measured times - without one it is unchanged", "[profile]") {
@@ -367,10 +396,12 @@ TEST_CASE("Backward of a GEMM: dgrad + wgrad rows when both are measured, else 2
   const LayerOp mid = gemm(std::sqrt(2048.0 * 4096.0), 4096, 4096);
   CHECK(both.backward_gemm_seconds(mid) ==
         Approx(mid.flops / std::sqrt(kDgrad[1] * kDgrad[2]) + mid.flops / std::sqrt(kWgrad[1] * kWgrad[2])).epsilon(1e-12));
-  // Outside the table (below it, or another dtype): 2x the preset forward kernel.
+  // Outside the table (below it, or fp32): 2x the preset forward kernel; fp16 borrows bf16's rows.
   const LayerOp small = gemm(256, 4096, 4096);
   CHECK(both.backward_gemm_seconds(small) == 2 * both.kernel_seconds(small));
-  CHECK_FALSE(both.profile()->backward_gemm_seconds(gemm(2048, 4096, 4096), Dtype::fp16));
+  CHECK_FALSE(both.profile()->backward_gemm_seconds(gemm(2048, 4096, 4096), Dtype::fp32));
+  CHECK(*both.profile()->backward_gemm_seconds(gemm(2048, 4096, 4096), Dtype::fp16) ==
+        *both.profile()->backward_gemm_seconds(gemm(2048, 4096, 4096), Dtype::bf16));
 
   // Attention-core GEMMs keep their rules: flash 2.5x the forward; unfused 2x, not the dgrad/wgrad rows.
   Program att;
@@ -532,7 +563,8 @@ TEST_CASE("backward-kernel rows parse, round-trip and are looked up by their own
   CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 2048, 128) == Approx(std::sqrt(1.5e14 * 2.5e14)));
   CHECK(*p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 65536, 128) == 2.5e14);
   CHECK_FALSE(p.attention_flops_per_second("flash_backward", Dtype::bf16, 32, 512, 128));
-  CHECK_FALSE(p.attention_flops_per_second("flash_backward", Dtype::fp16, 32, 1024, 128));
+  CHECK(*p.attention_flops_per_second("flash_backward", Dtype::fp16, 32, 1024, 128) == 1.5e14);  // bf16's rows
+  CHECK_FALSE(p.attention_flops_per_second("flash_backward", Dtype::fp32, 32, 1024, 128));
   CHECK(*p.attention_flops_per_second("flash", Dtype::bf16, 32, 1024, 128) == 3.0e14);
   const DeviceProfile base = parse_device_profile(kProfile, "h.yaml");
   LayerOp scores = gemm(1024, 1024, 128);
