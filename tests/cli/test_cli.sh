@@ -277,7 +277,15 @@ PY
     printf 'megatron_sc21_table1: {max_abs_error: 0.001, mean_abs_error: 0.001}\n' >"$TMP/v/thresholds.yaml"
     run validate --backend analytic --dir "$TMP/v"
     expect_rc 1
-    expect_err "megatron_sc21_table1.*exceed"
+    expect_err "megatron_sc21_table1.*exceed.*mean \|error\| [0-9.]+% > 0.10%, max \|error\| [0-9.]+% > 0.10%"
+    # Only the largest error over its threshold: the message names that one alone.
+    printf 'megatron_sc21_table1: {max_abs_error: 0.001, mean_abs_error: 0.9}\n' >"$TMP/v/thresholds.yaml"
+    run validate --backend analytic --dir "$TMP/v"
+    expect_rc 1
+    expect_err "exceed the committed thresholds \(max \|error\| [0-9.]+% > 0.10%\)"
+    run validate --dir "$TMP/no_such_dir"
+    expect_rc 2
+    expect_err "--dir .*no_such_dir has no published/ directory"
     ;;
   compare_cpu_record)
     # Measure a tiny scenario on the CPU, record it, and compare again from the record: the
