@@ -22,7 +22,7 @@ struct EngineResult {
   std::vector<bool> skipped;         // step skipped for overflow
   std::vector<double> step_seconds;
   std::map<std::string, double> seconds_by_op;  // time per instruction kind, summed over measured steps
-  bool event_timing = false;  // seconds_by_op from CUDA events, not host syncs (DSSIM_TIMING=events)
+  bool event_timing = false;  // seconds_by_op from CUDA events, not host syncs (one GPU, one rank; DSSIM_TIMING)
   int measured_steps = 0;
   int warmup_steps = 0;  // steps run before measuring (--warmup, or past 1-bit Adam's first compressed step)
   // Of seconds_by_op, over the measured steps: the tensor-parallel collectives (run inside the

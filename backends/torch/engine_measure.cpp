@@ -55,9 +55,9 @@ void InstructionMeter::resolve_step() {}
 #endif
 
 void InstructionMeter::use_events_from_env(int world_size) {
-  const std::string timing = env_str("DSSIM_TIMING", "sync");
+  const std::string timing = env_str("DSSIM_TIMING", "events");
   if (timing != "sync" && timing != "events")
-    throw std::invalid_argument("DSSIM_TIMING is '" + timing + "'; set it to sync (the default) or events");
+    throw std::invalid_argument("DSSIM_TIMING is '" + timing + "'; set it to events (the default) or sync");
   use_events(timing == "events" && world_size == 1);
 }
 

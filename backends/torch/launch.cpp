@@ -120,7 +120,7 @@ Report make_report(const Scenario& sc, const Program& program, const EngineResul
   if (res.zero3_backward_into_partition) measured["zero3_backward_into_partition"] = *res.zero3_backward_into_partition;
   measured["flash_attention"] = flash_attention_available();
   // How seconds_per_iteration_by_instruction was timed: host syncs at each change of kind, or CUDA
-  // events (DSSIM_TIMING=events, one rank).
+  // events (the default on one GPU and one rank; DSSIM_TIMING=sync turns them off).
   measured["instruction_timing"] = res.event_timing ? "events" : "syncs";
   // The fused GPU paths the run took (gemm_epilogues.hpp, cross_entropy_cuda.hpp): what a record
   // of this run was measured with.

@@ -395,29 +395,33 @@ TEST_CASE("cuda: the tiny model trains on a GPU like on the CPU", "[.gpu]") {
   CHECK(max_rel_diff(losses(cpu), losses(gpu)) <= 1e-5);
 }
 
-// DSSIM_TIMING (engine_measure.hpp): a bad value is refused by name; events apply on one GPU only,
-// so on the host the run reports its syncs.
+// DSSIM_TIMING (engine_measure.hpp): a bad value is refused by name; events (the default) apply on
+// one GPU only, so on the host the run reports its syncs, asked for or not.
 TEST_CASE("DSSIM_TIMING: a bad value refused, events only where there is one GPU", "[timing]") {
   ::setenv("DSSIM_TIMING", "sometimes", 1);
   Result bad = run("--json --steps 2 --nproc 1");
   ::setenv("DSSIM_TIMING", "events", 1);
   Result host = run("--json --steps 3 --nproc 1 --warmup 1");
   ::unsetenv("DSSIM_TIMING");
+  Result host_default = run("--json --steps 3 --nproc 1 --warmup 1");
   CHECK(bad.code != 0);
   CHECK(bad.err.find("DSSIM_TIMING is 'sometimes'") != std::string::npos);
   INFO(host.err);
   REQUIRE(host.code == 0);
   CHECK(measured(host).at("instruction_timing") == "syncs");
+  REQUIRE(host_default.code == 0);
+  CHECK(measured(host_default).at("instruction_timing") == "syncs");
 }
 
-// On a GPU, the instructions timed by CUDA events: the same losses as with syncs, and the kinds'
-// seconds add up to no more than the step (each boundary is an event on the one stream).
+// On a GPU, the instructions timed by CUDA events (the default on one GPU): the same losses as with
+// syncs, and the kinds' seconds add up to no more than the step (each boundary is an event on the
+// one stream).
 TEST_CASE("cuda: event timing keeps the losses and splits the step", "[.gpu]") {
   const std::string args = "--json --steps 6 --warmup 2 --nproc 1 --set zero.stage=1 --set training.global_batch=4 --backend cuda";
+  ::setenv("DSSIM_TIMING", "sync", 1);
   Result synced = run(args);
-  ::setenv("DSSIM_TIMING", "events", 1);
-  Result evented = run(args);
   ::unsetenv("DSSIM_TIMING");
+  Result evented = run(args);
   INFO(synced.err << evented.err);
   REQUIRE(synced.code == 0);
   REQUIRE(evented.code == 0);
