@@ -12,6 +12,7 @@
 #include "cli/predictors.hpp"
 #include "cli/verbs.hpp"
 #include "core/deepspeed_config.hpp"
+#include "core/human_units.hpp"
 #include "core/plan.hpp"
 #include "core/scenario_loader.hpp"
 
@@ -20,26 +21,6 @@ namespace po = boost::program_options;
 namespace dssim::cli {
 
 namespace {
-
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
-std::string human_tokens(double v) {
-  if (v >= 1e6) return fmt("%.2f M", v / 1e6);
-  if (v >= 1e3) return fmt("%.1f k", v / 1e3);
-  return fmt("%.0f", v);
-}
-
-std::string human_seconds(double s) {
-  if (s >= 86400) return fmt("%.1f days", s / 86400);
-  if (s >= 1) return fmt("%.3f s", s);
-  return fmt("%.1f ms", s * 1e3);
-}
 
 // --gpus N or A..B (A, 2A, 4A, ... up to B, and B).
 std::vector<int> parse_gpus(const std::string& s) {
@@ -98,7 +79,7 @@ void print_table(const PlanResult& r, size_t top, PlanObjective objective) {
     const auto dom = e.dominant(), over = e.largest_overhead();
     std::string value = objective == PlanObjective::cost ? fmt("%.0f", e.gpu_hours)
                         : objective == PlanObjective::time_to_train ? human_seconds(e.time_to_train_seconds)
-                                                                   : human_tokens(e.tokens_per_second);
+                                                                   : human_count(e.tokens_per_second);
     char cost[64];
     std::snprintf(cost, sizeof cost, "%s %.0f%% · %s %.0f%%", dom.first.c_str(), 100 * dom.second / e.iteration_seconds,
                   over.first.c_str(), 100 * over.second / e.iteration_seconds);
@@ -185,7 +166,7 @@ int verb_plan(int argc, char** argv) {
           std::fprintf(stderr, "\rdssim plan: %d GPUs: scored %zu / %zu configurations", p.gpus, p.done, p.total);
           if (p.best)
             std::fprintf(stderr, ", best so far %s (%.3f s, %s tokens/s)", p.best->point.label().c_str(),
-                         p.best->iteration_seconds, human_tokens(p.best->tokens_per_second).c_str());
+                         p.best->iteration_seconds, human_count(p.best->tokens_per_second).c_str());
           std::fprintf(stderr, p.done == p.total ? "\r\033[K" : "\033[K");
         };
       results.push_back(plan(base, o));
@@ -255,7 +236,7 @@ int verb_plan(int argc, char** argv) {
     std::printf("dssim plan %s: %d x %s, global batch %lld, objective %s — best %s: %s, %s tokens/s, MFU %.1f%%\n",
                 base.name.c_str(), R.gpus, base.cluster.gpu.name.c_str(), (long long)R.global_batch,
                 to_string(po_.objective), best.point.label().c_str(), human_seconds(best.iteration_seconds).c_str(),
-                human_tokens(best.tokens_per_second).c_str(), 100 * best.mfu);
+                human_count(best.tokens_per_second).c_str(), 100 * best.mfu);
     if (results.size() > 1) {
       std::printf("\nBest per GPU count\n%7s  %-54s %11s %10s %6s %10s\n", "GPUs", "configuration", "iteration", "tokens/s",
                   "MFU", "GPU-hours");
@@ -266,7 +247,7 @@ int verb_plan(int argc, char** argv) {
         }
         const PlanEntry& e = r.ranked[0];
         std::printf("%7d%s %-54s %11s %10s %5.1f%% %10.0f\n", r.gpus, &r == &R ? "*" : " ", e.point.label().c_str(),
-                    human_seconds(e.iteration_seconds).c_str(), human_tokens(e.tokens_per_second).c_str(), 100 * e.mfu,
+                    human_seconds(e.iteration_seconds).c_str(), human_count(e.tokens_per_second).c_str(), 100 * e.mfu,
                     e.gpu_hours);
       }
     }
