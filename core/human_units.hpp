@@ -1,7 +1,6 @@
 // Quantities printed for people, with their units: "2.45 GiB", "0.250 s", "4.5 ms", "65.57 k",
-// "591.5 TFLOP/s". The reverse of scenario_units.hpp, which reads what users write. Every verb's
-// text output (the report, dssim plan) prints through these so one quantity reads the same
-// everywhere.
+// "591.5 TFLOP/s". The reverse of scenario_units.hpp, which reads what users write. The report's
+// text and `dssim plan`'s print through these, so a quantity reads the same in both.
 #pragma once
 #include <string>
 
