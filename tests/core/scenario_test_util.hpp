@@ -22,6 +22,20 @@ inline std::string config_error(const std::function<void()>& f) {
   return "<no error>";
 }
 
+// tiny_pp3 re-laid as a pp-stage pipeline on one node: two layers a stage, micro-batch 1,
+// `micro_batches` of them in the global batch (the pipeline tests' closed forms).
+inline Scenario tiny_pipeline(int pp, int micro_batches) {
+  Scenario sc = load_scenario("tiny/tiny_pp3");
+  sc.parallel.pp = pp;
+  sc.model.layers = 2 * pp;
+  sc.cluster.gpus_per_node = pp;
+  sc.cluster.nodes = 1;
+  sc.training.micro_batch = 1;
+  sc.training.grad_accum = micro_batches;
+  sc.training.global_batch = micro_batches;
+  return sc;
+}
+
 // A complete small scenario (tiny model, global batch 8, micro-batch 1), the cluster section last
 // so that lines appended to the result land in it; `extra` adds top-level sections before it.
 inline std::string tiny_yaml(const std::string& parallel = "  tp: 1\n  pp: 1\n",

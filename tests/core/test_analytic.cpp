@@ -7,22 +7,13 @@
 #include "core/program_builder.hpp"
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
+#include "scenario_test_util.hpp"
 
 using namespace dssim;
 
 namespace {
 
-Scenario pipeline_scenario(int pp, int micro_batches) {
-  Scenario sc = load_scenario("tiny/tiny_pp3");
-  sc.parallel.pp = pp;
-  sc.model.layers = 2 * pp;
-  sc.cluster.gpus_per_node = pp;
-  sc.cluster.nodes = 1;
-  sc.training.micro_batch = 1;
-  sc.training.grad_accum = micro_batches;
-  sc.training.global_batch = micro_batches;
-  return sc;
-}
+Scenario pipeline_scenario(int pp, int micro_batches) { return test::tiny_pipeline(pp, micro_batches); }
 
 // Unit costs: forward 1, backward 2 on every stage, communication free.
 std::vector<std::vector<double>> unit_costs(const Program& p) {

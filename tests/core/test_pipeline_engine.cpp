@@ -18,15 +18,8 @@ using namespace dssim;
 namespace {
 
 Scenario pipeline(int pp, int micro_batches, PipelineEngine engine) {
-  Scenario sc = load_scenario("tiny/tiny_pp3");
-  sc.parallel.pp = pp;
+  Scenario sc = test::tiny_pipeline(pp, micro_batches);
   sc.parallel.pipeline_engine = engine;
-  sc.model.layers = 2 * pp;
-  sc.cluster.gpus_per_node = pp;
-  sc.cluster.nodes = 1;
-  sc.training.micro_batch = 1;
-  sc.training.grad_accum = micro_batches;
-  sc.training.global_batch = micro_batches;
   return sc;
 }
 
