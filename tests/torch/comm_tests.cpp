@@ -286,19 +286,25 @@ TEST_CASE("gloo sub-groups of 4 ranks: collectives, messages, shared counters", 
   }));
 }
 
+namespace {
+// Whether a receive of 10 floats from rank 1 ends in a CommError (not a hang, not success).
+bool recv_from_1_fails(Communicator& c) {
+  auto t = at::empty({10}, kF);
+  try {
+    c.recv(t, 1, 0, Purpose::PipelineActivation)->wait();
+  } catch (const CommError&) {
+    return true;
+  }
+  return false;
+}
+}  // namespace
+
 TEST_CASE("gloo recv from a peer that exited fails with CommError", "[comm][gloo]") {
   require_all_ok(run_ranks(2, [](Rank& rk) {
     Communicator& c = *rk.comm;
     c.barrier();
     if (rk.rank == 1) _exit(0);  // gone without sending
-    auto t = at::empty({10}, kF);
-    bool failed = false;
-    try {
-      c.recv(t, 1, 0, Purpose::PipelineActivation)->wait();
-    } catch (const CommError& e) {
-      failed = true;
-    }
-    CHILD_CHECK(failed);
+    CHILD_CHECK(recv_from_1_fails(c));
   }, 3000ms));
 }
 
@@ -307,13 +313,7 @@ TEST_CASE("gloo recv from a live peer that never sends fails with CommError", "[
     Communicator& c = *rk.comm;
     c.barrier();
     if (rk.rank == 0) {
-      auto t = at::empty({10}, kF);
-      bool failed = false;
-      try {
-        c.recv(t, 1, 0, Purpose::PipelineActivation)->wait();
-      } catch (const CommError& e) {
-        failed = true;
-      }
+      const bool failed = recv_from_1_fails(c);
       rk.store->set("recv_done", {1});
       CHILD_CHECK(failed);
       rk.store->get("peer_done");  // rank 0 serves the store: stay until rank 1 has read
