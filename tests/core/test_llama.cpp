@@ -15,6 +15,7 @@
 #include "core/report.hpp"
 #include "core/scenario_loader.hpp"
 #include "core/validate.hpp"
+#include "tests/core/program_test_util.hpp"
 #include "tests/core/scenario_test_util.hpp"
 
 using namespace dssim;
@@ -337,28 +338,15 @@ TEST_CASE("stage_parameters of Llama shapes add up to the model", "[memory][llam
 }
 
 TEST_CASE("program: Llama-shaped ZeRO partitions hold exactly the parameter count", "[program][llama]") {
-  Scenario sc;
-  sc.name = "tiny_llama";
-  sc.model.name = "tiny_llama";
-  sc.model.layers = 4;
-  sc.model.hidden = 64;
-  sc.model.heads = 4;
+  // The Program tests' tiny GPT on 4 data-parallel ranks, Llama-shaped: GQA (2 kv heads), SwiGLU
+  // (ffn 192), RMSNorm, rotary, no biases, untied embeddings.
+  Scenario sc = program_test::tiny(1, 1, 4, 1);
+  sc.name = sc.model.name = "tiny_llama";
   sc.model.kv_heads = 2;
   sc.model.ffn_hidden = 192;
-  sc.model.vocab = 512;
-  sc.model.seq_len = 32;
   sc.model.swiglu = sc.model.rmsnorm = sc.model.rotary = true;
   sc.model.bias = false;
   sc.model.tied_embeddings = false;
-  sc.training.micro_batch = 2;
-  sc.training.grad_accum = 4;
-  sc.training.global_batch = 2 * 4 * 4;
-  sc.parallel.dp = 4;
-  sc.zero.reduce_bucket_size = 20000;
-  sc.zero.allgather_bucket_size = 30000;
-  sc.precision.dtype = Dtype::bf16;
-  sc.cluster.nodes = 1;
-  sc.cluster.gpus_per_node = 4;
   // 4 (2 h^2 + 2 h kv + 3 h f + 2 h) + 2 V h + h, kv = 2 x 16
   const double psi = parameter_count(sc.model);
   CHECK(psi == 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 2 * 512 * 64 + 64);
