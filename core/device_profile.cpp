@@ -264,37 +264,33 @@ const char* to_string(GemmPass p) {
 namespace {
 // fp16 and bf16 run at one tensor-core rate on every GPU dssim has a preset for (A100 312, H100 and
 // H200 989 dense TFLOP/s each; cuBLAS and the flash kernels have a build of each): a profile
-// calibrated in one 16-bit type prices the other where it has no rows of it. The rows of the
-// asked type when it has any, else the other 16-bit type's; fp32 (TF32 off) never borrows.
-template <class HasRows>
-std::vector<Dtype> tensor_core_rows(Dtype dtype, const HasRows& has_rows) {
-  if (has_rows(dtype) || (dtype != Dtype::fp16 && dtype != Dtype::bf16)) return {dtype};
-  return {dtype == Dtype::fp16 ? Dtype::bf16 : Dtype::fp16};
-}
-bool has_gemm_rows(const std::vector<GemmPoint>& gemm, Dtype d) {
-  return std::any_of(gemm.begin(), gemm.end(), [&](const GemmPoint& r) { return r.dtype == d; });
+// calibrated in one 16-bit type prices the other where it has no rows of it. The asked type when
+// `rows` has any row of it (of those `counts` keeps), else the other 16-bit type; fp32 (TF32 off)
+// never borrows.
+template <class Row, class Counts>
+Dtype tensor_core_rows_dtype(Dtype dtype, const std::vector<Row>& rows, const Counts& counts) {
+  if (dtype != Dtype::fp16 && dtype != Dtype::bf16) return dtype;
+  const bool own = std::any_of(rows.begin(), rows.end(), [&](const Row& r) { return r.dtype == dtype && counts(r); });
+  return own ? dtype : dtype == Dtype::fp16 ? Dtype::bf16 : Dtype::fp16;
 }
 }  // namespace
 
 std::optional<double> DeviceProfile::gemm_flops_per_second(Dtype dtype, double m, double n, double k, double batch,
                                                            GemmPass pass, const std::string& epilogue) const {
+  const Dtype d = tensor_core_rows_dtype(dtype, gemm, [](const GemmPoint&) { return true; });
   std::vector<Sample> s;
-  for (Dtype d : tensor_core_rows(dtype, [&](Dtype d) { return has_gemm_rows(gemm, d); }))
-    for (const auto& r : gemm)
-      if (r.dtype == d && r.pass == pass && r.epilogue == epilogue) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
+  for (const auto& r : gemm)
+    if (r.dtype == d && r.pass == pass && r.epilogue == epilogue) s.push_back({{lg(r.m), lg(r.n), lg(r.k)}, lg(r.flops_per_second), r.flops_per_second});
   return interpolate(s, {lg(m * std::max(1.0, batch)), lg(n), lg(k)});
 }
 
 std::optional<double> DeviceProfile::attention_flops_per_second(const std::string& kernel, Dtype dtype, double batch_heads,
                                                                 double seq_len, double head_dim) const {
+  const Dtype d = tensor_core_rows_dtype(dtype, attention, [&](const AttentionPoint& r) { return r.kernel == kernel; });
   std::vector<Sample> s;
-  const auto has_rows = [&](Dtype d) {
-    return std::any_of(attention.begin(), attention.end(), [&](const AttentionPoint& r) { return r.kernel == kernel && r.dtype == d; });
-  };
-  for (Dtype d : tensor_core_rows(dtype, has_rows))
-    for (const auto& r : attention)
-      if (r.kernel == kernel && r.dtype == d)
-        s.push_back({{lg(r.batch_heads), lg(r.seq_len), lg(r.head_dim)}, lg(r.flops_per_second), r.flops_per_second});
+  for (const auto& r : attention)
+    if (r.kernel == kernel && r.dtype == d)
+      s.push_back({{lg(r.batch_heads), lg(r.seq_len), lg(r.head_dim)}, lg(r.flops_per_second), r.flops_per_second});
   return interpolate(s, {lg(batch_heads), lg(seq_len), lg(head_dim)});
 }
 
