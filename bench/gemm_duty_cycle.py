@@ -11,7 +11,10 @@ copy of about their duration between them at 1,665-1,875 MHz and 9-18 % more TFL
 copies at 1,965-1,980 MHz (docs/torch-backend.md, sixth stop).
 
     python3 bench/gemm_duty_cycle.py          # about 70 s; needs torch with CUDA, no dssim build
+    python3 bench/gemm_duty_cycle.py --weights-std 0.02   # adds a back-to-back row per shape with W at
+                                              # GPT's initial scale (does the data change the power?)
 """
+import argparse
 import os
 import statistics
 import sys
@@ -27,11 +30,11 @@ SHAPES = [("qkv 16384x6144x2048", 16384, 6144, 2048), ("mlp_up 16384x8192x2048",
           ("7b qkv 4096x12288x4096", 4096, 12288, 4096)]
 
 
-def run(m, n, k, gap_bytes, sampler, seconds=4.0):
+def run(m, n, k, gap_bytes, sampler, seconds=4.0, w_std=1.0):
     """Median ms of x @ W^T timed by CUDA events around each call, a copy of gap_bytes between calls
     (none for 0), over `seconds`; its TFLOP/s; the SM clock and board power read at the end."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * w_std
     src = torch.empty(max(gap_bytes // 2, 1), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     for _ in range(5):
@@ -57,14 +60,21 @@ def run(m, n, k, gap_bytes, sampler, seconds=4.0):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--weights-std", type=float, default=0.0,
+                    help="also time each shape back to back with W ~ N(0, this std) (0: not)")
+    args = ap.parse_args()
     sampler = Sampler(torch.cuda.current_device(), 0.1)
     print(torch.cuda.get_device_name(), torch.__version__)
     for name, m, n, k in SHAPES:
         gemm_ms, _, _ = run(m, n, k, 0, sampler, 1.0)
         # A copy of about the GEMM's duration: bytes = 2 x size moved at ~3 TB/s.
         same = int(gemm_ms * 1e-3 * 3.0e12 / 2)
-        for label, gap in (("back to back", 0), ("+ copy ~same time", same), ("+ 1 ms copy", int(1e-3 * 3.0e12 / 2))):
-            ms, tf, ck = run(m, n, k, gap, sampler)
+        rows = [("back to back", 0, 1.0), ("+ copy ~same time", same, 1.0), ("+ 1 ms copy", int(1e-3 * 3.0e12 / 2), 1.0)]
+        if args.weights_std > 0:
+            rows.insert(1, ("b2b W std %g" % args.weights_std, 0, args.weights_std))
+        for label, gap, std in rows:
+            ms, tf, ck = run(m, n, k, gap, sampler, w_std=std)
             print("%-26s %-18s %8.4f ms %7.1f TFLOP/s   clock,power at end: %s" % (name, label, ms, tf, ck))
             sys.stdout.flush()
 
